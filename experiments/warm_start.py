@@ -1,0 +1,271 @@
+"""Build the embedded default policy ``embedded:arithmetic``: a tiny Llama warm-started on 2-digit addition.
+
+RL needs a policy that is neither hopeless nor already solved, so this script trains the tiny Llama from
+``rl_lightning.models.policy.build_tiny_policy`` with plain supervised steps on ``ArithmeticTask`` (2-digit
+``+``) and stops as soon as its greedy exact-match accuracy on the 500 held-out problems reaches
+``--target-accuracy`` (default 0.30, accepted up to ``--max-accuracy`` = 0.50). It then saves the model
+(safetensors, fp32, ~4.3 MB), the character tokenizer and ``warm_start.json`` (settings, steps, accuracy,
+wall time, library versions) into ``rl_lightning/models/assets/arithmetic``.
+
+The convention is the one the RL code uses:
+
+* model input: ``<bos>`` + the prompt characters, e.g. ``<bos>37+48=`` (the tokenizer adds no BOS itself);
+* target: the answer characters followed by ``<eos>``; the loss covers only those tokens (prompt = -100);
+* correct: the greedy generation (at most 6 new tokens), cut at the first ``<eos>`` and stripped, equals
+  the answer exactly.
+
+Training prompts are ``ArithmeticTask().train_prompt(step * batch_size + row)``, a stream that never yields
+a held-out problem. Everything runs on CPU and is deterministic for a given ``--seed``.
+
+Evaluation runs every ``--coarse-eval-every`` steps (100) until the accuracy first reaches
+``--fine-from`` (0.05), then every ``--eval-every`` steps (25), because accuracy climbs fast through the
+20-50 % band. If an evaluation still overshoots ``--max-accuracy`` without any earlier one landing in range,
+the script rewinds to the previous evaluation's weights and optimizer state and replays the same steps
+(batches are a pure function of the step index, so the replay is exact), evaluating after every step; it
+stops at the first step in range. Only if a single step jumps past ``--max-accuracy`` (or with
+``--no-refine``) does it fail; then rerun with a smaller ``--eval-every`` or ``--lr``.
+
+Reproduce (from anywhere; relative ``--out`` paths are taken from the repository root)::
+
+    python experiments/warm_start.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+import tokenizers  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel  # noqa: E402
+from transformers import PreTrainedTokenizerBase  # noqa: E402
+
+from rl_lightning.envs.arithmetic import ArithmeticTask  # noqa: E402
+from rl_lightning.envs.base import Prompt  # noqa: E402
+from rl_lightning.models.policy import build_tiny_policy  # noqa: E402
+
+MAX_NEW_TOKENS = 6
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument("--seed", type=int, default=0, help="seeds the model init (and all torch randomness)")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (constant)")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--eval-every", type=int, default=25, help="steps between evaluations once accuracy >= --fine-from")
+    p.add_argument("--coarse-eval-every", type=int, default=100, help="steps between evaluations before that")
+    p.add_argument("--fine-from", type=float, default=0.05, help="accuracy at which evaluation becomes fine-grained")
+    p.add_argument("--target-accuracy", type=float, default=0.30, help="stop at the first eval at or above this")
+    p.add_argument("--max-accuracy", type=float, default=0.50, help="fail if the first eval >= target exceeds this")
+    p.add_argument("--max-steps", type=int, default=3000)
+    p.add_argument("--no-refine", dest="refine", action="store_false",
+                   help="on overshoot, fail at once instead of replaying the last interval step by step")
+    p.add_argument("--out", type=Path, default=Path("rl_lightning/models/assets/arithmetic"),
+                   help="output directory (relative paths are taken from the repository root)")
+    return p.parse_args(argv)
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> list[int]:
+    """``<bos>`` + prompt characters."""
+    return [tokenizer.bos_token_id, *tokenizer(prompt.text, add_special_tokens=False)["input_ids"]]
+
+
+def make_batch(
+    task: ArithmeticTask, tokenizer: PreTrainedTokenizerBase, step: int, batch_size: int
+) -> dict[str, torch.Tensor]:
+    """Right-padded ``<bos> prompt answer <eos>`` rows; labels are -100 everywhere except answer + EOS.
+
+    Right padding keeps position ids 0..n-1 on the real tokens, as in left-padded generation (where
+    ``generate`` derives positions from the attention mask).
+    """
+    rows, label_rows = [], []
+    for row in range(batch_size):
+        prompt = task.train_prompt(step * batch_size + row)
+        prefix = encode_prompt(tokenizer, prompt)
+        target = [*tokenizer(prompt.answer, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
+        rows.append(prefix + target)
+        label_rows.append([-100] * len(prefix) + target)
+    width = max(len(r) for r in rows)
+    pad = tokenizer.pad_token_id
+    input_ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
+    labels = torch.tensor([r + [-100] * (width - len(r)) for r in label_rows])
+    attention_mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+@torch.no_grad()
+def heldout_accuracy(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[Prompt], batch_size: int = 500
+) -> float:
+    """Greedy exact match: decoded generation before the first ``<eos>``, stripped, equals the answer."""
+    was_training = model.training
+    model.eval()
+    correct = 0
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start : start + batch_size]
+        encoded = [encode_prompt(tokenizer, p) for p in chunk]
+        width = max(len(e) for e in encoded)
+        input_ids = torch.tensor([[pad] * (width - len(e)) + e for e in encoded])
+        attention_mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded])
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            do_sample=False,
+            max_new_tokens=MAX_NEW_TOKENS,
+            pad_token_id=pad,
+            eos_token_id=eos,
+        )
+        for prompt, generated in zip(chunk, out[:, width:].tolist()):
+            if eos in generated:
+                generated = generated[: generated.index(eos)]
+            text = tokenizer.decode(generated, skip_special_tokens=False).strip()
+            correct += int(text == prompt.answer)
+    model.train(was_training)
+    return correct / len(prompts)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    out = args.out if args.out.is_absolute() else REPO_ROOT / args.out
+    if not 0 < args.target_accuracy <= args.max_accuracy:
+        raise SystemExit(
+            f"need 0 < --target-accuracy ({args.target_accuracy}) <= --max-accuracy ({args.max_accuracy})"
+        )
+
+    t0 = time.perf_counter()
+    torch.manual_seed(args.seed)
+    torch.use_deterministic_algorithms(True)
+    model, tokenizer = build_tiny_policy(seed=args.seed)
+    model.train()
+    task = ArithmeticTask()
+    heldout = task.heldout_prompts()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+
+    def train_step(step: int) -> float:
+        batch = make_batch(task, tokenizer, step, args.batch_size)
+        loss = model(**batch).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        return loss.item()
+
+    history: list[dict] = []
+    accuracy = heldout_accuracy(model, tokenizer, heldout)
+    history.append({"step": 0, "accuracy": accuracy})
+    fine = accuracy >= args.fine_from
+    next_eval = args.eval_every if fine else args.coarse_eval_every
+    snapshot = (0, copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict()))
+    step, loss, reached, refining = 0, float("nan"), False, False
+    bar = tqdm(total=args.max_steps, desc="warm start", unit="step", dynamic_ncols=True)
+    bar.set_postfix(acc=f"{accuracy:.3f}")
+    while step < args.max_steps:
+        loss = train_step(step)
+        step += 1
+        bar.update(1)
+        if step % 10 == 0:
+            bar.set_postfix(loss=f"{loss:.3f}", acc=f"{accuracy:.3f}")
+        if step < next_eval:
+            continue
+        accuracy = heldout_accuracy(model, tokenizer, heldout)
+        history.append({"step": step, "accuracy": accuracy, **({"refine": True} if refining else {})})
+        tag = "  (refine)" if refining else ""
+        bar.write(f"step {step:5d}  loss {loss:.4f}  held-out accuracy {accuracy:.3f}{tag}")
+        bar.set_postfix(loss=f"{loss:.3f}", acc=f"{accuracy:.3f}")
+        if accuracy >= args.target_accuracy:
+            if accuracy <= args.max_accuracy:
+                reached = True
+                break
+            if args.refine and not refining and step - snapshot[0] > 1:
+                # Overshot between two evaluations: training is a pure function of the step index, so rewind
+                # to the last evaluated state and replay the same steps, evaluating after every one of them.
+                step_at_snapshot, model_state, optim_state = snapshot
+                bar.write(
+                    f"overshot ({accuracy:.3f} > {args.max_accuracy}); replaying steps "
+                    f"{step_at_snapshot + 1}..{step} with an evaluation after each"
+                )
+                model.load_state_dict(model_state)
+                optimizer.load_state_dict(optim_state)
+                bar.update(step_at_snapshot - step)
+                step, refining, next_eval = step_at_snapshot, True, step_at_snapshot + 1
+                continue
+            bar.close()
+            raise SystemExit(
+                f"warm start overshot: held-out accuracy jumped to {accuracy:.3f} > {args.max_accuracy} at "
+                f"step {step} without an evaluation landing in [{args.target_accuracy}, {args.max_accuracy}] "
+                f"(history: {history[-3:]}). Rerun with a smaller --eval-every (e.g. 10) or a smaller --lr."
+            )
+        fine = fine or accuracy >= args.fine_from
+        next_eval = step + (1 if refining else args.eval_every if fine else args.coarse_eval_every)
+        if args.refine and not refining:
+            snapshot = (step, copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict()))
+    bar.close()
+    if not reached:
+        raise SystemExit(
+            f"warm start did not reach --target-accuracy {args.target_accuracy} within --max-steps "
+            f"{args.max_steps} (last held-out accuracy {accuracy:.3f}); raise --max-steps or --lr."
+        )
+    train_seconds = time.perf_counter() - t0
+
+    out.mkdir(parents=True, exist_ok=True)
+    model.eval()
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+
+    # Reload exactly as the package will, and check the saved checkpoint scores the same.
+    reloaded = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    reloaded_tok = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    reloaded_accuracy = heldout_accuracy(reloaded, reloaded_tok, heldout)
+    if reloaded_accuracy != accuracy:
+        raise SystemExit(f"reloaded checkpoint scores {reloaded_accuracy:.3f}, expected {accuracy:.3f}")
+
+    record = {
+        "seed": args.seed,
+        "lr": args.lr,
+        "batch_size": args.batch_size,
+        "optimizer": "AdamW",
+        "steps": step,
+        "examples_seen": step * args.batch_size,
+        "heldout_accuracy": accuracy,
+        "heldout_size": len(heldout),
+        "target_accuracy": args.target_accuracy,
+        "max_accuracy": args.max_accuracy,
+        "refined": refining,
+        "eval_history": history,
+        "wall_time_s": round(time.perf_counter() - t0, 2),
+        "train_time_s": round(train_seconds, 2),
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "task": {"class": "ArithmeticTask", "num_digits": task.num_digits, "operations": task.operations,
+                 "seed": task.seed},
+        "max_new_tokens": MAX_NEW_TOKENS,
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "tokenizers": tokenizers.__version__,
+        },
+        "command": "python experiments/warm_start.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    }
+    (out / "warm_start.json").write_text(json.dumps(record, indent=2) + "\n")
+    print(
+        f"saved to {out}: {step} steps, held-out accuracy {accuracy:.3f} "
+        f"(reloaded: {reloaded_accuracy:.3f}), {record['wall_time_s']:.1f}s"
+    )
+    return record
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,3 @@
+from rl_lightning.cli import cli_main
+
+cli_main()

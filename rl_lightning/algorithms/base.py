@@ -1,0 +1,307 @@
+"""``RLModule``: what every method shares. A method subclasses it and overrides a few narrow hooks.
+
+The step template (``training_step``), for one ``RolloutBatch`` produced by the data module:
+
+1. ``advantages = compute_advantages(batch)``            -- hook (``[N]`` or ``[N, T]``, detached)
+2. ``weights = loss_weights(batch)``                     -- aggregation normaliser, once per rollout batch
+3. for ``num_iterations`` (μ) passes, for each of ``num_minibatches`` minibatches (one optimiser step each),
+   for each micro-batch of ``micro_batch_size`` rows (gradient accumulation):
+   ``logprobs = token_logprobs(mb)``; ``loss = policy_loss(mb, logprobs, advantages, weights)`` -- hook;
+   ``+`` every loss term contributed by callbacks (``LossTerm`` protocol); backward.
+4. clip, check for non-finite values, step; log the fixed metrics.
+
+Because the weights are computed on the whole batch (and summed over ranks under data parallelism), the
+gradient of one optimiser step does not depend on how its rows are split into micro-batches or devices.
+
+``trainer.global_step`` counts rollout batches: only the last optimiser step of a batch goes through
+Lightning's step counter, inner ones call the wrapped torch optimiser directly.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import abstractmethod
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor, nn
+from torchmetrics import MeanMetric
+
+from rl_lightning.functional import AggregationMode, aggregation_weights, sampling_logprobs
+from rl_lightning.models.policy import DType, load_policy
+from rl_lightning.rollout.batch import RolloutBatch
+from rl_lightning.rollout.generation import position_ids_from_mask
+
+
+@runtime_checkable
+class LossTerm(Protocol):
+    """What a callback implements to add a term to every policy loss (e.g. ``KLRegularizer``).
+
+    ``loss_term`` is called once per micro-batch with the learner's ``logprobs`` ``[n, T]`` (carrying the
+    gradient) and the aggregation ``weights`` ``[n, T]`` of those rows; it returns the term to *add* to the loss
+    and a dict of detached scalar metrics (logged as their mean over the step's updates).
+    """
+
+    def loss_term(
+        self, module: RLModule, batch: RolloutBatch, logprobs: Tensor, weights: Tensor
+    ) -> tuple[Tensor, dict[str, Tensor]]: ...
+
+
+class NonFiniteLossError(FloatingPointError):
+    """A loss or gradient was NaN/inf; raised before the optimiser step, so the weights stay finite."""
+
+
+class RLModule(LightningModule):
+    """Base of every algorithm: policy, optimiser, per-token log-probs, the update loop and its logging.
+
+    Args:
+        model_name_or_path: ``embedded:arithmetic`` (the packaged warm start), ``embedded:random``, or a local
+            Hugging Face checkpoint directory.
+        dtype: parameter dtype of the policy (``bfloat16`` for real models on GPU).
+        optimizer: optimiser factory, e.g. ``{class_path: torch.optim.AdamW, init_args: {lr: 1e-4}}``.
+        lr_scheduler: optional scheduler factory, stepped once per rollout batch.
+        num_iterations: μ, passes over each rollout batch (π_old stays the sampler's log-probs).
+        num_minibatches: optimiser steps per pass; must divide the number of rows.
+        micro_batch_size: rows per forward/backward (gradient accumulation); ``None`` = the whole minibatch.
+        loss_aggregation: how per-token losses are combined (see ``functional.aggregation_weights``).
+        max_grad_norm: gradient-norm clip (``None`` disables clipping; the norm is still logged).
+        logprob_chunk_size: rows per chunk when turning logits into log-probs (bounds peak memory).
+        seed: seeds minibatch shuffling.
+    """
+
+    def __init__(
+        self,
+        model_name_or_path: str = "embedded:arithmetic",
+        dtype: DType = "float32",
+        optimizer: OptimizerCallable = torch.optim.AdamW,
+        lr_scheduler: LRSchedulerCallable | None = None,
+        num_iterations: int = 1,
+        num_minibatches: int = 1,
+        micro_batch_size: int | None = None,
+        loss_aggregation: AggregationMode = "seq_mean_token_mean",
+        max_grad_norm: float | None = 1.0,
+        logprob_chunk_size: int = 16,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        for name, value in (("num_iterations", num_iterations), ("num_minibatches", num_minibatches),
+                            ("logprob_chunk_size", logprob_chunk_size)):
+            if value < 1:
+                raise ValueError(f"{type(self).__name__}: {name} must be >= 1, got {value}")
+        if micro_batch_size is not None and micro_batch_size < 1:
+            raise ValueError(f"{type(self).__name__}: micro_batch_size must be >= 1 or null, got {micro_batch_size}")
+        if max_grad_norm is not None and max_grad_norm <= 0:
+            raise ValueError(f"{type(self).__name__}: max_grad_norm must be > 0 or null, got {max_grad_norm}")
+        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
+        self.optimizer_factory = optimizer
+        self.lr_scheduler_factory = lr_scheduler
+        self.num_iterations = num_iterations
+        self.num_minibatches = num_minibatches
+        self.micro_batch_size = micro_batch_size
+        self.loss_aggregation = loss_aggregation
+        self.max_grad_norm = max_grad_norm
+        self.logprob_chunk_size = logprob_chunk_size
+        self.seed = seed
+        self.policy, self.tokenizer = load_policy(model_name_or_path, dtype)
+        self.policy.train()  # from_pretrained returns eval mode; Lightning toggles modes from here on
+        self.automatic_optimization = False
+        self.val_reward = MeanMetric()
+
+    # ================================================================== hooks for methods
+    @abstractmethod
+    def compute_advantages(self, batch: RolloutBatch) -> Tensor:
+        """Advantages for ``batch``: ``[N]`` (one per response) or ``[N, T]`` (per token). Must be detached."""
+
+    @abstractmethod
+    def policy_loss(
+        self, batch: RolloutBatch, logprobs: Tensor, advantages: Tensor, weights: Tensor
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """The loss of the rows of ``batch`` (to minimise) and detached metrics (named ``train/...``).
+
+        ``advantages`` are the rows' slice, shaped ``[n, 1]`` or ``[n, T]``; ``weights`` ``[n, T]`` are the
+        aggregation weights to use with ``functional.aggregate``.
+        """
+
+    def check_datamodule(self, datamodule: Any) -> None:
+        """Refuse data settings the method cannot use (called at setup). Default: accept everything."""
+
+    # ================================================================== shared machinery
+    def configure_optimizers(self) -> Any:
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        optimizer = self.optimizer_factory(params)
+        if self.lr_scheduler_factory is None:
+            return optimizer
+        return {"optimizer": optimizer, "lr_scheduler": self.lr_scheduler_factory(optimizer)}
+
+    def setup(self, stage: str) -> None:
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if datamodule is not None:
+            self.check_datamodule(datamodule)
+
+    def load_frozen_copy(self) -> nn.Module:
+        """A fresh, frozen copy of the *initial* policy (reloaded from ``model_name_or_path``), on this device."""
+        model, _ = load_policy(self.hparams.model_name_or_path, self.hparams.dtype)
+        return model.requires_grad_(False).eval().to(self.device)
+
+    def token_logprobs(
+        self, batch: RolloutBatch, model: nn.Module | None = None, with_entropy: bool = False
+    ) -> tuple[Tensor, Tensor | None]:
+        """Per-token log-probs ``[N, T]`` of the generated tokens under ``model`` (default: the policy).
+
+        Tokens are scored under the sampler's exact distribution (its temperature and top-p), so on-policy
+        they equal ``batch.sampler_logprobs``. Only the ``T + 1`` positions that predict response tokens are
+        projected to the vocabulary.
+        """
+        model = self.policy if model is None else model
+        width = batch.input_ids.shape[1] - batch.prompt_length  # T
+        out = model(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=position_ids_from_mask(batch.attention_mask),
+            logits_to_keep=width + 1,
+            use_cache=False,
+        )
+        logits = out.logits[:, :-1]  # [N, T, V]: position P-1+t predicts response token t
+        logprobs, entropy = sampling_logprobs(
+            logits, batch.response_ids, batch.temperature, batch.top_p, self.logprob_chunk_size, with_entropy
+        )
+        mask = batch.loss_mask.to(logprobs.dtype)
+        return logprobs * mask, (None if entropy is None else entropy * mask)
+
+    def loss_weights(self, batch: RolloutBatch) -> Tensor:
+        """Aggregation weights ``[N, T]`` for the whole rollout batch, with the normaliser summed over ranks.
+
+        Under data parallelism gradients are averaged over ``W`` ranks, so local weights are scaled by ``W``
+        and use the global sequence/token counts: the result equals one process holding the whole batch.
+        """
+        world = self.trainer.world_size if self._trainer is not None else 1
+        if world == 1:
+            return aggregation_weights(batch.loss_mask, self.loss_aggregation)
+        counts = torch.tensor([float(batch.num_rows), float(batch.loss_mask.sum())], device=self.device)
+        counts = self.trainer.strategy.reduce(counts, reduce_op="sum")
+        weights = aggregation_weights(batch.loss_mask, self.loss_aggregation, num_sequences=int(counts[0]),
+                                      num_tokens=float(counts[1]))
+        return weights * world
+
+    def _loss_terms(self) -> list[LossTerm]:
+        return [cb for cb in self.trainer.callbacks if isinstance(cb, LossTerm)] if self._trainer else []
+
+    def _minibatches(self, num_rows: int, iteration: int) -> list[Tensor]:
+        if num_rows % self.num_minibatches:
+            raise ValueError(
+                f"{type(self).__name__}: num_minibatches={self.num_minibatches} does not divide the {num_rows} "
+                f"rows of a rollout batch (prompts_per_step x group_size per device)"
+            )
+        if self.num_minibatches == 1:
+            return [torch.arange(num_rows, device=self.device)]
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.global_step * 1_009 + iteration)
+        order = torch.randperm(num_rows, generator=gen).to(self.device)
+        return list(order.chunk(self.num_minibatches))
+
+    def _micro_batches(self, rows: Tensor) -> list[Tensor]:
+        size = self.micro_batch_size or rows.numel()
+        return list(rows.split(size))
+
+    def _check_finite(self, value: Tensor, what: str, iteration: int, minibatch: int) -> None:
+        if not torch.isfinite(value).all():
+            raise NonFiniteLossError(
+                f"non-finite {what} ({value.item() if value.numel() == 1 else value}) at step {self.global_step} "
+                f"(iteration {iteration}, minibatch {minibatch}); the weights were not updated"
+            )
+
+    def training_step(self, batch: RolloutBatch, batch_idx: int) -> None:
+        start = time.perf_counter()
+        optimizer = self.optimizers()
+        advantages = self.compute_advantages(batch).detach()
+        if advantages.dim() == 1:
+            advantages = advantages.unsqueeze(-1)  # [N, 1], broadcast over tokens
+        weights = self.loss_weights(batch) * self.num_minibatches  # each optimiser step at full-batch scale
+        terms = self._loss_terms()
+        stats: dict[str, list[Tensor]] = {}
+        first: dict[str, Tensor] = {}
+        steps_total = self.num_iterations * self.num_minibatches
+        steps_done = 0
+        for iteration in range(self.num_iterations):
+            for index, rows in enumerate(self._minibatches(batch.num_rows, iteration)):
+                optimizer.zero_grad()
+                for micro in self._micro_batches(rows):
+                    mb = batch.select(micro)
+                    measure = steps_done == 0
+                    logprobs, entropy = self.token_logprobs(mb, with_entropy=measure)
+                    if measure:  # before any update: the learner vs the sampler that drew the tokens
+                        diff = (logprobs.detach() - mb.sampler_logprobs).abs()
+                        first.setdefault("sampler_logp_diff", []).append((diff * mb.loss_mask).sum())
+                        first.setdefault("entropy", []).append(entropy.sum())
+                        first.setdefault("tokens", []).append(mb.loss_mask.sum())
+                    loss, loss_stats = self.policy_loss(mb, logprobs, advantages[micro], weights[micro])
+                    for term in terms:
+                        extra, extra_stats = term.loss_term(self, mb, logprobs, weights[micro])
+                        loss = loss + extra
+                        loss_stats = {**loss_stats, **extra_stats}
+                    self._check_finite(loss.detach(), "loss", iteration, index)
+                    self.manual_backward(loss)
+                    stats.setdefault("train/loss", []).append(loss.detach())
+                    for key, value in loss_stats.items():
+                        stats.setdefault(key, []).append(value.detach().float())
+                params = [p for p in self.policy.parameters() if p.grad is not None]
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm or float("inf"))
+                self._check_finite(grad_norm, "gradient norm", iteration, index)
+                stats.setdefault("train/grad_norm", []).append(grad_norm.detach())
+                steps_done += 1
+                if steps_done == steps_total:
+                    optimizer.step()  # the one step Lightning counts: global_step = rollout batches
+                else:
+                    optimizer.optimizer.step()
+        optimizer.zero_grad()
+        scheduler = self.lr_schedulers()
+        if scheduler is not None:
+            scheduler.step()
+        update_time = time.perf_counter() - start
+        tokens = torch.stack(first["tokens"]).sum().clamp(min=1.0)
+        metrics = {key: torch.stack(values).mean() for key, values in stats.items()}
+        metrics["train/sampler_logp_diff"] = torch.stack(first["sampler_logp_diff"]).sum() / tokens
+        metrics["train/entropy"] = torch.stack(first["entropy"]).sum() / tokens
+        metrics.update(self.rollout_metrics(batch))
+        step_time = batch.rollout_time + batch.reward_time + update_time
+        metrics["perf/step_time"] = torch.tensor(step_time)
+        metrics["perf/rollout_time"] = torch.tensor(batch.rollout_time)
+        metrics["perf/reward_time"] = torch.tensor(batch.reward_time)
+        metrics["perf/update_time"] = torch.tensor(update_time)
+        metrics["perf/tokens_per_sec"] = batch.loss_mask.sum().float().cpu() / step_time
+        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=batch.num_rows)
+        self.log("reward", metrics["train/reward"], prog_bar=True, logger=False, batch_size=batch.num_rows)
+
+    def rollout_metrics(self, batch: RolloutBatch) -> dict[str, Tensor]:
+        """The fixed rollout metrics of DESIGN.md (reward, spread, lengths, truncation)."""
+        rewards = batch.rewards.float()
+        groups = rewards.view(-1, batch.group_size)
+        return {
+            "train/reward": rewards.mean(),
+            "train/reward_std": rewards.std(unbiased=False),
+            "train/zero_std_fraction": (groups.std(dim=1, unbiased=False) == 0).float().mean(),
+            "train/response_length": batch.response_lengths.float().mean(),
+            "train/truncation_rate": batch.truncated.float().mean(),
+        }
+
+    # ================================================================== evaluation
+    def validation_step(self, batch: RolloutBatch, batch_idx: int) -> None:
+        self.val_reward.update(batch.rewards)
+        self.log("val/reward", self.val_reward, on_step=False, on_epoch=True, prog_bar=True,
+                 batch_size=batch.num_rows)
+
+    def on_train_start(self) -> None:
+        """Log ``val/reward`` at step 0 (the warm-start level) before the first update of a fresh run."""
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if self.global_step != 0 or datamodule is None or not hasattr(datamodule, "evaluate"):
+            return
+        total, count = datamodule.evaluate()
+        sums = torch.tensor([total, float(count)], device=self.device)
+        sums = self.trainer.strategy.reduce(sums, reduce_op="sum")
+        value = float(sums[0] / sums[1].clamp(min=1.0))
+        if self.logger is not None:
+            self.logger.log_metrics({"val/reward": value}, step=0)
+        rank_zero_info(f"val/reward at step 0 (before any update): {value:.4f} on {int(sums[1])} held-out prompts")
+

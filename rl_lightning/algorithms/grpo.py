@@ -1,0 +1,73 @@
+"""GRPO: group-relative advantages with PPO-style clipping (spec 003, §6 GRPO).
+
+``L = -1/G Σ_i 1/|o_i| Σ_t min(ρ_{i,t} A_i, clip(ρ_{i,t}, 1-ε_low, 1+ε_high) A_i)`` with
+``A_i = (R_i - μ_G) / (σ_G + eps)`` and ``ρ = π_θ / π_old``, where π_old is the sampler that drew the tokens.
+A KL penalty to a reference model is added by the ``KLRegularizer`` callback, not here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+from typing_extensions import override
+
+from rl_lightning.algorithms.base import RLModule
+from rl_lightning.functional import clipped_policy_loss, group_advantages
+from rl_lightning.rollout.batch import RolloutBatch
+
+
+class GRPO(RLModule):
+    """Group Relative Policy Optimization.
+
+    Args:
+        clip_eps_low: ε below 1 (ratio floor ``1 - clip_eps_low``).
+        clip_eps_high: ε above 1 (ratio ceiling ``1 + clip_eps_high``; DAPO's clip-higher uses 0.28).
+        scale_rewards: divide by the group's population std σ_G (spec); ``False`` gives Dr. GRPO's ``R - μ_G``.
+        std_eps: added to σ_G; a group with no reward spread gets advantage 0.
+        **kwargs: ``RLModule`` arguments (model, optimizer, iterations, aggregation, ...).
+    """
+
+    def __init__(
+        self,
+        clip_eps_low: float = 0.2,
+        clip_eps_high: float = 0.2,
+        scale_rewards: bool = True,
+        std_eps: float = 1e-6,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if not (0 <= clip_eps_low < 1) or clip_eps_high < 0:
+            raise ValueError(f"GRPO: need 0 <= clip_eps_low < 1 and clip_eps_high >= 0, got {clip_eps_low}, {clip_eps_high}")
+        self.clip_eps_low = clip_eps_low
+        self.clip_eps_high = clip_eps_high
+        self.scale_rewards = scale_rewards
+        self.std_eps = std_eps
+
+    @override
+    def check_datamodule(self, datamodule: Any) -> None:
+        group_size = getattr(datamodule, "group_size", None)
+        if group_size is not None and group_size < 2:
+            raise ValueError(
+                f"{type(self).__name__} needs data.group_size >= 2 (a group-relative baseline), got {group_size}"
+            )
+
+    @override
+    def compute_advantages(self, batch: RolloutBatch) -> Tensor:
+        return group_advantages(batch.rewards, batch.group_size, scale=self.scale_rewards, eps=self.std_eps)
+
+    @override
+    def policy_loss(
+        self, batch: RolloutBatch, logprobs: Tensor, advantages: Tensor, weights: Tensor
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        loss, stats = clipped_policy_loss(
+            logprobs, batch.sampler_logprobs, advantages, batch.loss_mask, weights,
+            self.clip_eps_low, self.clip_eps_high,
+        )
+        return loss, {
+            "train/clip_fraction": stats.clip_fraction,
+            "train/clip_fraction_low": stats.clip_fraction_low,
+            "train/clip_fraction_high": stats.clip_fraction_high,
+            "train/ratio_mean": stats.ratio_mean,
+            "train/approx_kl": stats.approx_kl,
+        }

@@ -1,0 +1,70 @@
+"""``KLRegularizer``: adds ``β · KL`` to every policy loss, toward a frozen reference model or the sampler."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch import Tensor, nn
+
+from rl_lightning.algorithms.base import RLModule
+from rl_lightning.functional import KLKind, aggregate, kl_estimate
+from rl_lightning.rollout.batch import RolloutBatch
+
+
+class KLRegularizer(Callback):
+    """A KL penalty for any method, through the ``LossTerm`` protocol of ``RLModule``.
+
+    The term is ``β · Σ_{i,t} w_{i,t} k(logπ_θ, logπ_target)`` with the method's own aggregation weights
+    ``w`` and the per-token estimator ``k`` (k1/k2/k3 of ``functional.kl_estimate``) evaluated at the
+    generated tokens (GRPO's KL-in-the-loss, spec 003 §6; Tinker-style KL to the sampler, spec 000).
+
+    Args:
+        beta: coefficient β; with ``0`` nothing is computed and no reference model is created.
+        estimator: ``k3`` (GRPO's default), ``k2`` or ``k1``.
+        target: ``reference`` = a frozen copy of the initial policy (reloaded from ``model_name_or_path``,
+            so it is the same after a resume); ``sampler`` = the sampler's recorded log-probs (no extra model).
+
+    Logs ``train/kl`` (the token-mean estimate) and ``train/kl_loss`` (the term added).
+    """
+
+    def __init__(self, beta: float = 0.0, estimator: KLKind = "k3",
+                 target: Literal["reference", "sampler"] = "reference") -> None:
+        if beta < 0:
+            raise ValueError(f"KLRegularizer: beta must be >= 0, got {beta}")
+        self.beta = beta
+        self.estimator = estimator
+        self.target = target
+        self.reference: nn.Module | None = None
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(target=self.target, estimator=self.estimator)
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if not isinstance(pl_module, RLModule):
+            raise TypeError(f"KLRegularizer needs an RLModule, got {type(pl_module).__name__}")
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.beta > 0 and self.target == "reference" and self.reference is None:
+            self.reference = pl_module.load_frozen_copy()  # type: ignore[operator]
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self.reference is not None and isinstance(batch, RolloutBatch):
+            with torch.no_grad():  # once per rollout batch, shared by all iterations and minibatches
+                batch.ref_logprobs, _ = pl_module.token_logprobs(batch, model=self.reference)  # type: ignore[operator]
+
+    def loss_term(
+        self, module: RLModule, batch: RolloutBatch, logprobs: Tensor, weights: Tensor
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        if self.beta == 0:
+            return logprobs.new_zeros(()), {}
+        other = batch.sampler_logprobs if self.target == "sampler" else batch.ref_logprobs
+        if other is None:
+            raise RuntimeError("KLRegularizer: reference log-probs missing from the batch")
+        kl = kl_estimate(logprobs, other.detach(), self.estimator) * batch.loss_mask  # [n, T]
+        term = self.beta * aggregate(kl, weights)
+        with torch.no_grad():
+            mean_kl = kl.sum() / batch.loss_mask.sum().clamp(min=1)
+        return term, {"train/kl": mean_kl, "train/kl_loss": term.detach()}

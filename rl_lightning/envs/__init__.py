@@ -1,0 +1,18 @@
+"""Tasks, environments and reward functions. Nothing here knows about training."""
+
+from rl_lightning.envs.arithmetic import ArithmeticTask
+from rl_lightning.envs.base import ExactMatchReward, Prompt, RewardError, RewardFunction, Task, score
+from rl_lightning.envs.jsonl import JsonlTask, PromptFileError, read_prompt_file
+
+__all__ = [
+    "ArithmeticTask",
+    "ExactMatchReward",
+    "JsonlTask",
+    "Prompt",
+    "PromptFileError",
+    "RewardError",
+    "RewardFunction",
+    "Task",
+    "read_prompt_file",
+    "score",
+]

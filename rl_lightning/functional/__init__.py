@@ -1,0 +1,44 @@
+"""The math of the spec as pure torch functions: no Lightning, no models, nothing else of the package.
+
+Shapes: per-sequence ``[N]``, per-token ``[N, T]``, ``mask [N, T]`` (1 on model-generated tokens); groups are
+contiguous blocks of ``group_size`` rows.
+"""
+
+from rl_lightning.functional.advantages import (
+    batch_centered_advantages,
+    gae,
+    group_advantages,
+    leave_one_out_advantages,
+)
+from rl_lightning.functional.kl import KLKind, kl_estimate
+from rl_lightning.functional.logprobs import sampling_log_softmax, sampling_logprobs, top_p_mask
+from rl_lightning.functional.losses import (
+    AggregationMode,
+    PolicyLossStats,
+    aggregate,
+    aggregation_weights,
+    clipped_policy_loss,
+    clipped_surrogate,
+)
+from rl_lightning.functional.masked import masked_mean, masked_sum, masked_whiten
+
+__all__ = [
+    "AggregationMode",
+    "KLKind",
+    "PolicyLossStats",
+    "aggregate",
+    "aggregation_weights",
+    "batch_centered_advantages",
+    "clipped_policy_loss",
+    "clipped_surrogate",
+    "gae",
+    "group_advantages",
+    "kl_estimate",
+    "leave_one_out_advantages",
+    "masked_mean",
+    "masked_sum",
+    "masked_whiten",
+    "sampling_log_softmax",
+    "sampling_logprobs",
+    "top_p_mask",
+]

@@ -1,0 +1,133 @@
+"""Advantage estimators. Shapes: ``B`` prompts, ``G`` responses per prompt, ``N = B*G`` rows, ``T`` tokens.
+
+Groups are contiguous blocks of ``group_size`` rows: rows ``[g*G, (g+1)*G)`` answer the same prompt.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def _grouped(rewards: Tensor, group_size: int) -> Tensor:
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D [N], got shape {tuple(rewards.shape)}")
+    if group_size < 1 or rewards.numel() % group_size != 0:
+        raise ValueError(f"group_size={group_size} does not divide the {rewards.numel()} rewards")
+    return rewards.view(-1, group_size)
+
+
+def group_advantages(rewards: Tensor, group_size: int, scale: bool = True, eps: float = 1e-6) -> Tensor:
+    """GRPO group-relative advantages (spec 003, §6 GRPO and the notation of μ_G, σ_G).
+
+    ``A_i = (R_i - μ_G) / (σ_G + eps)`` with the population standard deviation
+    ``σ_G = sqrt(1/G Σ_i (R_i - μ_G)^2)``; ``scale=False`` gives ``A_i = R_i - μ_G`` (Dr. GRPO style).
+    A group with no spread (σ_G = 0) gets ``A = 0`` exactly, never NaN.
+
+    Args:
+        rewards: ``[N]`` scalar reward per response, groups contiguous.
+        group_size: ``G``, responses per prompt.
+        scale: divide by ``σ_G + eps``.
+        eps: added to ``σ_G``.
+
+    Returns:
+        ``[N]`` advantages.
+
+    Example:
+        >>> group_advantages(torch.tensor([1.0, 1.0, 0.0, 0.0]), 4)   # μ=0.5, σ=0.5
+        tensor([ 1.0000,  1.0000, -1.0000, -1.0000])   # (up to eps)
+    """
+    grouped = _grouped(rewards, group_size)  # [B, G]
+    mean = grouped.mean(dim=1, keepdim=True)  # μ_G
+    centered = grouped - mean
+    if scale:
+        std = grouped.std(dim=1, unbiased=False, keepdim=True)  # population σ_G
+        centered = centered / (std + eps)
+    # A constant group carries no signal. Its float mean can differ from R by rounding (e.g. 0.9 x 3), which
+    # the division above would blow up into a same-sign advantage, so such groups are set to exactly 0.
+    constant = grouped.amax(dim=1, keepdim=True) == grouped.amin(dim=1, keepdim=True)  # [B, 1]
+    centered = centered.masked_fill(constant, 0.0)
+    return centered.reshape(-1)
+
+
+def leave_one_out_advantages(rewards: Tensor, group_size: int) -> Tensor:
+    """RLOO advantages (spec 003, §3 RLOO): ``A_i = R_i - 1/(G-1) Σ_{j≠i} R_j``.
+
+    Equivalently ``G/(G-1) (R_i - μ_G)``; advantages sum to 0 within each group. Needs ``G >= 2``.
+
+    Example:
+        >>> leave_one_out_advantages(torch.tensor([1.0, 0.8, 0.2, 0.0]), 4)
+        tensor([ 0.6667,  0.4000, -0.4000, -0.6667])
+    """
+    if group_size < 2:
+        raise ValueError(f"leave-one-out advantages need group_size >= 2, got {group_size}")
+    grouped = _grouped(rewards, group_size)  # [B, G]
+    baseline = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)  # b_i
+    return (grouped - baseline).reshape(-1)
+
+
+def batch_centered_advantages(rewards: Tensor) -> Tensor:
+    """FlashREINFORCE batch-centred advantages (spec 000, FlashREINFORCE): ``A_i = R_i - 1/B Σ_j R_j``.
+
+    A batch of one response gets ``A = 0``.
+
+    Example:
+        >>> batch_centered_advantages(torch.tensor([1.0, 0.0, 0.5]))
+        tensor([ 0.5000, -0.5000,  0.0000])
+    """
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D [N], got shape {tuple(rewards.shape)}")
+    return rewards - rewards.mean()
+
+
+def gae(
+    rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float | Tensor
+) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation over the masked tokens of each row (spec 003, §5 PPO; GAE paper).
+
+    Walking backwards over the positions where ``mask == 1`` only (unmasked positions, e.g. observation
+    tokens of a multi-turn episode, are skipped, so ``t+`` is the next *masked* position)::
+
+        δ_t = r_t + γ V(t+) - V(t)          with V(after the last masked token) = 0
+        Â_t = δ_t + γ λ Â(t+)
+        returns_t = Â_t + V(t)
+
+    With a contiguous mask this is plain GAE. Rewards at unmasked positions are ignored.
+
+    Args:
+        rewards: ``[B, T]`` per-token rewards (an outcome reward sits on the last generated token).
+        values: ``[B, T]`` value estimates (treated as constants).
+        mask: ``[B, T]`` 1 on model-generated tokens.
+        gamma: discount γ.
+        lam: λ, a float or a ``[B]`` tensor (one λ per row).
+
+    Returns:
+        ``(advantages, returns)``, both ``[B, T]`` and zero where ``mask == 0``.
+
+    Example:
+        >>> r = torch.tensor([[0.0, 0.0, 1.0]]); v = torch.tensor([[0.5, 0.5, 0.5]]); m = torch.ones(1, 3)
+        >>> gae(r, v, m, gamma=1.0, lam=1.0)[0]     # λ=γ=1: Â_t = R - V_t
+        tensor([[0.5000, 0.5000, 0.5000]])
+    """
+    if not (rewards.shape == values.shape == mask.shape) or rewards.dim() != 2:
+        raise ValueError(
+            f"gae: rewards, values and mask must share one [B, T] shape, got "
+            f"{tuple(rewards.shape)}, {tuple(values.shape)}, {tuple(mask.shape)}"
+        )
+    batch, length = rewards.shape
+    rewards, values = rewards.detach(), values.detach()
+    maskf = mask.to(values.dtype)
+    lam_t = torch.as_tensor(lam, dtype=values.dtype, device=values.device).expand(batch)  # [B]
+    advantages = torch.zeros_like(values)
+    next_value = torch.zeros(batch, dtype=values.dtype, device=values.device)  # V(t+)
+    next_adv = torch.zeros_like(next_value)  # Â(t+)
+    for t in reversed(range(length)):
+        m = maskf[:, t]
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        adv = delta + gamma * lam_t * next_adv
+        # Unmasked positions leave the running (t+) state untouched, which skips them.
+        advantages[:, t] = adv * m
+        next_adv = torch.where(m > 0, adv, next_adv)
+        next_value = torch.where(m > 0, values[:, t], next_value)
+    returns = (advantages + values) * maskf
+    return advantages, returns

@@ -1,0 +1,134 @@
+"""Per-token policy objectives and explicit loss aggregation (spec 003 §5 PPO, §6 GRPO).
+
+The loss is built along its independent axes: a ratio, a per-token objective (``clipped_surrogate``), then an
+aggregation by precomputed per-token weights (``aggregation_weights``). Weights are computed once per rollout
+batch, so summing ``(objective * weights)`` over any split of the rows (minibatches, micro-batches, devices)
+gives exactly the full-batch loss.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import torch
+from torch import Tensor
+
+from rl_lightning.functional.kl import kl_estimate
+
+AggregationMode = Literal["seq_mean_token_mean", "token_mean", "seq_mean_token_sum", "token_sum"]
+
+
+def clipped_surrogate(ratio: Tensor, advantages: Tensor, eps_low: float, eps_high: float) -> Tensor:
+    """PPO/GRPO per-token clipped objective, to be *maximised* (spec 003, §5 PPO and §6 GRPO).
+
+    ``min(ρ A, clip(ρ, 1 - eps_low, 1 + eps_high) A)``
+
+    Args:
+        ratio: ``[B, T]`` ``ρ = π_θ / π_old`` per token.
+        advantages: ``[B, T]`` (or broadcastable, e.g. ``[B, 1]``), treated as constants.
+        eps_low, eps_high: the clip range ``[1 - eps_low, 1 + eps_high]`` (equal for symmetric PPO).
+
+    Example:
+        >>> clipped_surrogate(torch.tensor([1.5, 0.6, 1.0]), torch.tensor([1.0, -1.0, 2.0]), 0.2, 0.2)
+        tensor([ 1.2000, -0.8000,  2.0000])   # min(1.5,1.2); min(-0.6,-0.8); unclipped
+    """
+    advantages = advantages.detach()
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * advantages
+    return torch.minimum(unclipped, clipped)
+
+
+def aggregation_weights(mask: Tensor, mode: AggregationMode, num_sequences: int | None = None,
+                        num_tokens: float | None = None) -> Tensor:
+    """Per-token weights ``w`` such that the aggregated loss is ``Σ_{i,t} w_{i,t} ℓ_{i,t}``.
+
+    Modes (``T_i`` = number of masked tokens of row ``i``, ``N`` = number of rows)::
+
+        seq_mean_token_mean  w = 1 / (N T_i)      (1/N) Σ_i (1/T_i) Σ_t ℓ    -- GRPO as spec 003 §6 writes it
+        token_mean           w = 1 / Σ_i T_i      Σ_{i,t} ℓ / Σ_i T_i        -- DAPO / TRL "dapo"
+        seq_mean_token_sum   w = 1 / N            (1/N) Σ_i Σ_t ℓ            -- PG / RLOO as spec 003 §1, §3 write it
+        token_sum            w = 1                Σ_{i,t} ℓ                  -- Tinker's built-in losses
+
+    ``num_sequences`` / ``num_tokens`` override ``N`` / ``Σ T_i`` (pass the global values under data
+    parallelism so the normaliser is the whole batch's). Rows with no masked token get weight 0.
+
+    Returns:
+        ``[B, T]`` weights, zero where ``mask == 0``.
+
+    Example:
+        >>> m = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+        >>> aggregation_weights(m, "seq_mean_token_mean")
+        tensor([[0.2500, 0.2500],
+                [0.5000, 0.0000]])
+    """
+    maskf = mask.to(torch.float32)
+    n = float(maskf.shape[0] if num_sequences is None else num_sequences)
+    if mode == "seq_mean_token_mean":
+        lengths = maskf.sum(dim=1, keepdim=True)  # T_i
+        return maskf / (lengths.clamp(min=1.0) * n)
+    if mode == "token_mean":
+        total = maskf.sum() if num_tokens is None else torch.tensor(float(num_tokens))
+        return maskf / total.clamp(min=1.0)
+    if mode == "seq_mean_token_sum":
+        return maskf / n
+    if mode == "token_sum":
+        return maskf
+    raise ValueError(f"unknown aggregation mode {mode!r}")
+
+
+def aggregate(per_token: Tensor, weights: Tensor) -> Tensor:
+    """``Σ_{i,t} weights * per_token`` -- the one aggregation every loss uses (see ``aggregation_weights``)."""
+    return (per_token * weights).sum()
+
+
+class PolicyLossStats(NamedTuple):
+    """Detached diagnostics of a clipped policy loss (token means over the masked tokens)."""
+
+    clip_fraction: Tensor  # tokens where the clipped branch was taken (either side)
+    clip_fraction_low: Tensor  # ρ < 1 - eps_low with A < 0
+    clip_fraction_high: Tensor  # ρ > 1 + eps_high with A > 0
+    ratio_mean: Tensor
+    approx_kl: Tensor  # k3 estimate of KL(π_old || π_θ) over the tokens
+
+
+def clipped_policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    weights: Tensor,
+    eps_low: float,
+    eps_high: float,
+) -> tuple[Tensor, PolicyLossStats]:
+    """``-Σ w · min(ρA, clip(ρ) A)`` with ``ρ = exp(logprobs - old_logprobs)`` (spec 003 §5, §6).
+
+    Args:
+        logprobs: ``[B, T]`` learner log-probs of the generated tokens (carry the gradient).
+        old_logprobs: ``[B, T]`` π_old log-probs (the sampler's), constants.
+        advantages: ``[B, T]``, ``[B, 1]`` or ``[B]`` (one per row), constants.
+        mask, weights: ``[B, T]``; ``weights`` from ``aggregation_weights`` on the whole rollout batch.
+
+    Returns:
+        ``(loss, stats)``.
+    """
+    old_logprobs = old_logprobs.detach()
+    if advantages.dim() == 1:  # one advantage per row: broadcast over tokens, not over rows
+        advantages = advantages.unsqueeze(-1)
+    log_ratio = (logprobs - old_logprobs) * mask  # zero on padding, so exp() stays finite there
+    ratio = torch.exp(log_ratio)  # [B, T]
+    objective = clipped_surrogate(ratio, advantages, eps_low, eps_high)  # [B, T]
+    loss = -aggregate(objective, weights)
+    with torch.no_grad():
+        adv = advantages.expand_as(ratio)
+        maskb = mask.bool()
+        low = (ratio < 1.0 - eps_low) & (adv < 0) & maskb
+        high = (ratio > 1.0 + eps_high) & (adv > 0) & maskb
+        count = mask.sum().clamp(min=1.0)
+        stats = PolicyLossStats(
+            clip_fraction=(low | high).sum() / count,
+            clip_fraction_low=low.sum() / count,
+            clip_fraction_high=high.sum() / count,
+            ratio_mean=(ratio * mask).sum() / count,
+            approx_kl=(kl_estimate(old_logprobs, logprobs.detach(), "k3") * mask).sum() / count,
+        )
+    return loss, stats

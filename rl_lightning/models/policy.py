@@ -1,0 +1,128 @@
+"""Build the policy: the embedded tiny default, or any local Hugging Face causal-LM checkpoint.
+
+``model_name_or_path`` accepts:
+
+* ``"embedded:arithmetic"`` -- the warm-started tiny Llama shipped inside this package
+  (``models/assets/arithmetic``, produced by ``experiments/warm_start.py``);
+* ``"embedded:random"`` -- the same architecture with fresh random weights (for tests and benchmarks);
+* a local directory holding a Hugging Face checkpoint (``config.json`` + weights + tokenizer files).
+
+Nothing is ever downloaded: loading uses ``local_files_only=True``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+from transformers import PreTrainedTokenizerBase
+
+from rl_lightning.models.tokenizer import build_char_tokenizer
+
+ASSETS = Path(__file__).parent / "assets"
+EMBEDDED_PREFIX = "embedded:"
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+def tiny_llama_config(
+    vocab_size: int,
+    hidden_size: int = 128,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    intermediate_size: int = 512,
+    max_position_embeddings: int = 64,
+    pad_token_id: int = 0,
+    bos_token_id: int = 1,
+    eos_token_id: int = 2,
+) -> LlamaConfig:
+    """The embedded default's architecture: a 1.1M-parameter Llama (hidden 128, 4 layers, 4 heads, ffn 512).
+
+    Special ids are set explicitly (a config's defaults may point outside a small vocabulary).
+    """
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        pad_token_id=pad_token_id,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        tie_word_embeddings=False,
+        attention_dropout=0.0,
+    )
+
+
+def build_tiny_policy(seed: int = 0, **config_overrides: int) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A freshly initialised tiny Llama and the character tokenizer (deterministic for a given ``seed``)."""
+    tokenizer = build_char_tokenizer()
+    config = tiny_llama_config(
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **config_overrides,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer
+
+
+def resolve_model_path(model_name_or_path: str) -> Path | None:
+    """Map ``embedded:<name>`` to the packaged asset directory; ``embedded:random`` maps to ``None``."""
+    if not model_name_or_path.startswith(EMBEDDED_PREFIX):
+        return Path(os.path.expanduser(model_name_or_path))
+    name = model_name_or_path[len(EMBEDDED_PREFIX):]
+    if name == "random":
+        return None
+    path = ASSETS / name
+    if not path.is_dir():
+        available = sorted(p.name for p in ASSETS.iterdir() if p.is_dir()) if ASSETS.is_dir() else []
+        raise FileNotFoundError(
+            f"model_name_or_path={model_name_or_path!r}: no embedded model named {name!r} "
+            f"(available: {', '.join(['random', *available])}). The arithmetic warm start is built by "
+            f"`python experiments/warm_start.py`."
+        )
+    return path
+
+
+def load_policy(
+    model_name_or_path: str, dtype: DType = "float32"
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer, offline, and make sure a pad token exists.
+
+    Raises:
+        FileNotFoundError: one line naming ``model_name_or_path`` when the directory is missing or holds no
+            loadable model.
+    """
+    torch_dtype = getattr(torch, dtype)
+    path = resolve_model_path(model_name_or_path)
+    if path is None:
+        model, tokenizer = build_tiny_policy()
+        return model.to(torch_dtype), tokenizer
+    if not path.is_dir():
+        raise FileNotFoundError(f"model_name_or_path={model_name_or_path!r}: no such directory")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model_name_or_path={model_name_or_path!r}: not a Hugging Face checkpoint directory "
+            f"(no config.json in {path})"
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch_dtype)
+    except (OSError, ValueError) as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise FileNotFoundError(
+            f"model_name_or_path={model_name_or_path!r}: could not load a causal LM from {path}: {first_line}"
+        ) from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return model, tokenizer

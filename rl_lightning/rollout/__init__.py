@@ -1,0 +1,7 @@
+"""Data production: prompt streams, generation with KV cache, and the ``RolloutBatch`` container."""
+
+from rl_lightning.rollout.batch import PromptBatch, RolloutBatch
+from rl_lightning.rollout.datamodule import RolloutDataModule
+from rl_lightning.rollout.generation import Generation, position_ids_from_mask, sample
+
+__all__ = ["Generation", "PromptBatch", "RolloutBatch", "RolloutDataModule", "position_ids_from_mask", "sample"]

@@ -1,0 +1,142 @@
+"""Typed containers passed between the stages of a step: prompts in, rollouts out.
+
+Shapes: ``N`` rows (= prompts × ``group_size``; groups are contiguous), ``P`` prompt positions (left-padded),
+``T`` response positions (right-padded).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from rl_lightning.envs.base import Prompt
+
+Split = Literal["train", "val"]
+
+
+@dataclass
+class PromptBatch:
+    """What the data loader yields: prompts, not tensors. Rollouts are generated from it on the device.
+
+    Attributes:
+        split: ``"train"`` (sampled, ``group_size`` responses each) or ``"val"`` (greedy, one each).
+        step: the training stream position this batch was drawn at (``-1`` for validation).
+        indices: stream (or held-out) index of each prompt.
+        prompts: the prompts, one per index.
+    """
+
+    split: Split
+    step: int
+    indices: list[int]
+    prompts: list[Prompt]
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> PromptBatch:  # noqa: ARG002
+        return self  # nothing to move: generation happens after the transfer
+
+
+# Per-row tensors whose first dimension is N, moved and sliced together. Optional ones may be None.
+_ROW_TENSORS = (
+    "input_ids", "attention_mask", "loss_mask", "sampler_logprobs", "rewards", "prompt_index", "truncated",
+    "obs_mask", "ref_logprobs", "topk_ids", "topk_logprobs", "aux_ids",
+)
+
+
+@dataclass
+class RolloutBatch:
+    """Every tensor of one rollout step.
+
+    Attributes:
+        input_ids: ``[N, P+T]`` prompt tokens (left-padded) followed by response tokens (right-padded).
+        attention_mask: ``[N, P+T]`` 1 on real tokens (prompt, generated, and observation tokens).
+        prompt_length: ``P``; response position ``t`` is column ``P + t`` of ``input_ids``.
+        loss_mask: ``[N, T]`` 1 on model-generated tokens (EOS included), 0 on padding and observations.
+        sampler_logprobs: ``[N, T]`` log-prob of each generated token under the sampler's distribution.
+        rewards: ``[N]`` scalar reward per response.
+        group_size: ``G``; rows ``[g*G, (g+1)*G)`` answer the same prompt.
+        prompt_index: ``[N]`` stream index of each row's prompt (for per-prompt state).
+        truncated: ``[N]`` bool, True when the response hit ``max_new_tokens`` without EOS.
+        temperature, top_p: the sampler's settings; the learner scores tokens under the same distribution.
+        prompts, responses: ``N`` prompts and decoded responses (for rewards, logging and error messages).
+        obs_mask: ``[N, T]`` 1 on observation tokens of multi-turn episodes (context, never loss), optional.
+        ref_logprobs: ``[N, T]`` reference-model log-probs, filled in by a KL callback when needed.
+        topk_ids, topk_logprobs: ``[N, T, k]`` the sampler's top-k ids/log-probs (Score Centering), optional.
+        aux_ids: ``[N, T, K]`` K auxiliary draws per position (StableReinforce), optional.
+        rollout_time, reward_time: seconds spent generating and scoring this batch.
+    """
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    prompt_length: int
+    loss_mask: Tensor
+    sampler_logprobs: Tensor
+    rewards: Tensor
+    group_size: int
+    prompt_index: Tensor
+    truncated: Tensor
+    temperature: float = 1.0
+    top_p: float = 1.0
+    prompts: list[Prompt] = field(default_factory=list)
+    responses: list[str] = field(default_factory=list)
+    obs_mask: Tensor | None = None
+    ref_logprobs: Tensor | None = None
+    topk_ids: Tensor | None = None
+    topk_logprobs: Tensor | None = None
+    aux_ids: Tensor | None = None
+    rollout_time: float = 0.0
+    reward_time: float = 0.0
+
+    def __post_init__(self) -> None:
+        n, width = self.input_ids.shape
+        t = width - self.prompt_length
+        expect = {
+            "attention_mask": (n, width), "loss_mask": (n, t), "sampler_logprobs": (n, t), "rewards": (n,),
+            "prompt_index": (n,), "truncated": (n,), "obs_mask": (n, t), "ref_logprobs": (n, t),
+        }
+        for name, shape in expect.items():
+            value = getattr(self, name)
+            if value is not None and tuple(value.shape) != shape:
+                raise ValueError(f"RolloutBatch.{name} has shape {tuple(value.shape)}, expected {shape}")
+        if self.group_size < 1 or n % self.group_size:
+            raise ValueError(f"RolloutBatch: group_size={self.group_size} does not divide N={n}")
+
+    @property
+    def num_rows(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def response_ids(self) -> Tensor:
+        """``[N, T]`` the response part of ``input_ids``."""
+        return self.input_ids[:, self.prompt_length:]
+
+    @property
+    def response_lengths(self) -> Tensor:
+        """``[N]`` number of model-generated tokens per row."""
+        return self.loss_mask.sum(dim=1)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> RolloutBatch:
+        moved = {
+            name: getattr(self, name).to(device, non_blocking=non_blocking)
+            for name in _ROW_TENSORS
+            if getattr(self, name) is not None
+        }
+        return replace(self, **moved)
+
+    def select(self, rows: Tensor) -> RolloutBatch:
+        """The sub-batch of ``rows`` (a 1-D index tensor). ``group_size`` becomes 1 unless whole groups are kept."""
+        picked = {name: getattr(self, name)[rows] for name in _ROW_TENSORS if getattr(self, name) is not None}
+        idx = rows.tolist()
+        g = self.group_size
+        whole_groups = len(idx) % g == 0 and all(
+            idx[k] % g == 0 and idx[k:k + g] == list(range(idx[k], idx[k] + g)) for k in range(0, len(idx), g)
+        )
+        return replace(
+            self,
+            **picked,
+            group_size=g if whole_groups else 1,
+            prompts=[self.prompts[i] for i in idx] if self.prompts else [],
+            responses=[self.responses[i] for i in idx] if self.responses else [],
+        )
+

@@ -1,0 +1,283 @@
+"""``RolloutDataModule``: prompts from a seeded, rank-sharded stream, turned into rollouts on the device.
+
+The data loader yields cheap ``PromptBatch`` objects. Right after Lightning moves a batch to the device
+(``on_after_batch_transfer``, i.e. just before ``training_step``), the data module generates ``group_size``
+responses per prompt with the *sampler*, scores them, and hands the algorithm a ``RolloutBatch``. Generation
+therefore lives here, serves every method alike, and never runs ahead of the update that precedes it.
+
+The module it trains must expose ``policy`` (a Hugging Face causal LM) and ``tokenizer`` attributes.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any, Iterator
+
+import torch
+from lightning.pytorch import LightningDataModule
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, IterableDataset
+
+from rl_lightning.envs.base import Prompt, RewardFunction, Task, score
+from rl_lightning.rollout.batch import PromptBatch, RolloutBatch
+from rl_lightning.rollout.generation import sample
+
+
+class _TrainStream(IterableDataset):
+    """Endless prompt batches starting at the data module's cursor (so a resumed run continues the stream)."""
+
+    def __init__(self, datamodule: RolloutDataModule) -> None:
+        self.datamodule = datamodule
+
+    def __iter__(self) -> Iterator[PromptBatch]:
+        step = self.datamodule.cursor
+        while True:
+            yield self.datamodule.prompt_batch(step)
+            step += 1
+
+
+class RolloutDataModule(LightningDataModule):
+    """Generates on-device rollout batches each step for any algorithm.
+
+    Args:
+        task: where prompts, held-out prompts and the default verifier come from.
+        prompts_per_step: prompts per training step over all devices (must divide by the world size).
+        group_size: responses sampled per prompt (``G``).
+        max_new_tokens: generation limit; a response without EOS by then is marked ``truncated``.
+        temperature: sampling temperature (> 0).
+        top_p: nucleus sampling mass in ``(0, 1]``.
+        sampler_sync_interval: 1 samples with the current policy; ``k > 1`` samples with a copy of the policy
+            refreshed every ``k`` steps, so sampler and learner really differ in between.
+        reward_fn: reward function; ``None`` uses the task's verifier (exact match by default).
+        val_batch_size: held-out prompts per greedy validation batch (per device).
+        num_val_prompts: use only the first ``num_val_prompts`` held-out prompts (``None``: all).
+        add_bos: prepend the tokenizer's BOS token to every prompt (when it has one).
+        use_chat_template: wrap each prompt as a user message with the tokenizer's chat template.
+        seed: seeds the sampling generator (per rank).
+    """
+
+    def __init__(
+        self,
+        task: Task,
+        prompts_per_step: int = 16,
+        group_size: int = 8,
+        max_new_tokens: int = 8,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        sampler_sync_interval: int = 1,
+        reward_fn: RewardFunction | None = None,
+        val_batch_size: int = 256,
+        num_val_prompts: int | None = None,
+        add_bos: bool = True,
+        use_chat_template: bool = False,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        checks = {
+            "prompts_per_step": prompts_per_step >= 1, "group_size": group_size >= 1,
+            "max_new_tokens": max_new_tokens >= 1, "temperature": temperature > 0,
+            "top_p": 0 < top_p <= 1, "sampler_sync_interval": sampler_sync_interval >= 1,
+            "val_batch_size": val_batch_size >= 1,
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise ValueError(f"RolloutDataModule: invalid {name}={locals()[name]!r}")
+        self.task = task
+        self.prompts_per_step = prompts_per_step
+        self.group_size = group_size
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.top_p = top_p
+        self.sampler_sync_interval = sampler_sync_interval
+        self.reward_fn = reward_fn if reward_fn is not None else task.default_reward()
+        self.val_batch_size = val_batch_size
+        self.num_val_prompts = num_val_prompts
+        self.add_bos = add_bos
+        self.use_chat_template = use_chat_template
+        self.seed = seed
+        self.cursor = 0  # training steps drawn so far (the stream position)
+        self.generator: torch.Generator | None = None
+        self._sampler: nn.Module | None = None  # the lagged copy when sampler_sync_interval > 1
+        self._sampler_synced_at = -1
+        self._pending_state: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------ the trained module's side
+    @property
+    def _module(self) -> Any:
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        if module is None or not hasattr(module, "policy") or not hasattr(module, "tokenizer"):
+            raise RuntimeError("RolloutDataModule needs a LightningModule with `policy` and `tokenizer` attributes")
+        return module
+
+    def _world(self) -> tuple[int, int]:
+        trainer = self.trainer
+        return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+
+    def setup(self, stage: str) -> None:
+        rank, world = self._world()
+        if self.prompts_per_step % world:
+            raise ValueError(
+                f"RolloutDataModule: prompts_per_step={self.prompts_per_step} must be divisible by the "
+                f"number of devices ({world})"
+            )
+
+    # ------------------------------------------------------------------ prompts
+    def prompt_batch(self, step: int) -> PromptBatch:
+        """The prompts this rank trains on at ``step``: a contiguous slice of the global stream."""
+        rank, world = self._world()
+        per_rank = self.prompts_per_step // world
+        start = step * self.prompts_per_step + rank * per_rank
+        indices = list(range(start, start + per_rank))
+        return PromptBatch("train", step, indices, [self.task.train_prompt(i) for i in indices])
+
+    def heldout_prompts(self) -> list[Prompt]:
+        prompts = self.task.heldout_prompts()
+        return prompts if self.num_val_prompts is None else prompts[: self.num_val_prompts]
+
+    def val_prompt_batches(self) -> list[PromptBatch]:
+        """This rank's share of the held-out prompts, in batches of ``val_batch_size``."""
+        rank, world = self._world()
+        prompts = self.heldout_prompts()
+        mine = list(range(rank, len(prompts), world))
+        return [
+            PromptBatch("val", -1, mine[k:k + self.val_batch_size], [prompts[i] for i in mine[k:k + self.val_batch_size]])
+            for k in range(0, len(mine), self.val_batch_size)
+        ]
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(_TrainStream(self), batch_size=None, num_workers=0)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_prompt_batches(), batch_size=None, num_workers=0, collate_fn=lambda b: b)
+
+    # ------------------------------------------------------------------ rollouts
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        if isinstance(batch, PromptBatch):
+            return self.rollout(batch)
+        return batch
+
+    def _encode(self, prompts: list[Prompt], device: torch.device) -> tuple[Tensor, Tensor]:
+        tok = self._module.tokenizer
+        rows: list[list[int]] = []
+        for prompt in prompts:
+            if self.use_chat_template:
+                ids = tok.apply_chat_template(
+                    [{"role": "user", "content": prompt.text}], add_generation_prompt=True, tokenize=True
+                )
+                ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+            else:
+                ids = tok(prompt.text, add_special_tokens=False)["input_ids"]
+                if self.add_bos and tok.bos_token_id is not None:
+                    ids = [tok.bos_token_id, *ids]
+            rows.append(ids)
+        width = max(len(r) for r in rows)
+        pad = tok.pad_token_id
+        input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        attention = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, ids in enumerate(rows):  # left padding
+            input_ids[i, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
+            attention[i, width - len(ids):] = 1
+        return input_ids.to(device), attention.to(device)
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        """The sampling generator, on the policy's device, seeded per rank (restored from a checkpoint)."""
+        if self.generator is None:
+            rank, _ = self._world()
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(self.seed * 1_000_003 + rank)
+            if self._pending_state is not None and "generator" in self._pending_state:
+                self.generator.set_state(self._pending_state.pop("generator"))
+        return self.generator
+
+    def sampler(self) -> nn.Module:
+        """The model that generates this step: the policy, or its lagged copy (refreshed every k steps)."""
+        policy = self._module.policy
+        if self.sampler_sync_interval == 1:
+            return policy
+        if self._sampler is None:
+            self._sampler = copy.deepcopy(policy).requires_grad_(False).eval()
+            self._sampler_synced_at = self.cursor
+            if self._pending_state is not None and "sampler" in self._pending_state:
+                self._sampler.load_state_dict(self._pending_state.pop("sampler"))
+                self._sampler_synced_at = self._pending_state.pop("sampler_synced_at")
+        if self.cursor - self._sampler_synced_at >= self.sampler_sync_interval:
+            self._sampler.load_state_dict(policy.state_dict())
+            self._sampler_synced_at = self.cursor
+        return self._sampler
+
+    def rollout(self, batch: PromptBatch) -> RolloutBatch:
+        """Generate and score responses for ``batch`` on the policy's device."""
+        module = self._module
+        device = next(module.policy.parameters()).device
+        train = batch.split == "train"
+        if train and batch.step != self.cursor:
+            raise RuntimeError(f"prompt stream out of sync: batch for step {batch.step}, cursor at {self.cursor}")
+        group = self.group_size if train else 1
+        prompts = [p for p in batch.prompts for _ in range(group)]
+        indices = [i for i in batch.indices for _ in range(group)]
+        t0 = time.perf_counter()
+        prompt_ids, prompt_mask = self._encode(prompts, device)
+        model = self.sampler() if train else module.policy
+        was_training = model.training
+        model.eval()
+        gen = sample(
+            model, prompt_ids, prompt_mask, self.max_new_tokens,
+            eos_token_id=module.tokenizer.eos_token_id, pad_token_id=module.tokenizer.pad_token_id,
+            temperature=self.temperature, top_p=self.top_p, greedy=not train,
+            generator=self._generator(device) if train else None,
+        )
+        model.train(was_training)
+        t1 = time.perf_counter()
+        responses = module.tokenizer.batch_decode(
+            (gen.response_ids * gen.mask).tolist(), skip_special_tokens=True
+        )
+        rewards = torch.tensor([score(self.reward_fn, p, r) for p, r in zip(prompts, responses)],
+                               dtype=torch.float32, device=device)
+        t2 = time.perf_counter()
+        if train:
+            self.cursor += 1
+        return RolloutBatch(
+            input_ids=torch.cat([prompt_ids, gen.response_ids], dim=1),
+            attention_mask=torch.cat([prompt_mask, gen.mask], dim=1),
+            prompt_length=prompt_ids.shape[1],
+            loss_mask=gen.mask,
+            sampler_logprobs=gen.logprobs,
+            rewards=rewards,
+            group_size=group,
+            prompt_index=torch.tensor(indices, dtype=torch.long, device=device),
+            truncated=gen.truncated,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            prompts=prompts,
+            responses=responses,
+            rollout_time=t1 - t0,
+            reward_time=t2 - t1,
+        )
+
+    @torch.no_grad()
+    def evaluate(self) -> tuple[float, int]:
+        """Greedy held-out evaluation outside Lightning's loop: ``(sum of rewards, count)`` on this rank."""
+        total, count = 0.0, 0
+        for prompt_batch in self.val_prompt_batches():
+            rollout = self.rollout(prompt_batch)
+            total += float(rollout.rewards.sum())
+            count += rollout.num_rows
+        return total, count
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"cursor": self.cursor}
+        if self.generator is not None:
+            state["generator"] = self.generator.get_state()
+        if self._sampler is not None:
+            state["sampler"] = {k: v.detach().cpu() for k, v in self._sampler.state_dict().items()}
+            state["sampler_synced_at"] = self._sampler_synced_at
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.cursor = int(state_dict["cursor"])
+        self._pending_state = {k: v for k, v in state_dict.items() if k != "cursor"}
+        self.generator, self._sampler = None, None
+        rank_zero_info(f"RolloutDataModule: resuming the prompt stream at step {self.cursor}")

@@ -1,0 +1,99 @@
+"""Sampling with a KV cache, recording the sampler's per-token log-probs under its exact distribution.
+
+One prompt forward fills the cache; each further step feeds one token per row. Rows stop at EOS (later
+positions are padding with ``loss_mask = 0``), and the loop ends when every row has stopped.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from rl_lightning.functional.logprobs import sampling_log_softmax
+
+
+@dataclass
+class Generation:
+    """Output of ``sample``: ``[N, T]`` tensors, with ``T <= max_new_tokens``."""
+
+    response_ids: Tensor  # generated ids, pad after EOS
+    logprobs: Tensor  # sampler log-prob of each generated token (0 on padding)
+    mask: Tensor  # 1 on generated tokens (EOS included)
+    truncated: Tensor  # [N] bool: no EOS within max_new_tokens
+
+
+def _cache_argument(model: nn.Module) -> str:
+    """The forward keyword of the KV cache: ``cache`` (transformers >= 5.2x) or ``past_key_values`` (older)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _returned_cache(out: object) -> object:
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else getattr(out, "past_key_values", None)
+
+
+def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
+    """Positions that skip left padding: ``cumsum(mask) - 1``, clamped at 0 on the padding itself."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+@torch.no_grad()
+def sample(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    max_new_tokens: int,
+    eos_token_id: int,
+    pad_token_id: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    greedy: bool = False,
+    generator: torch.Generator | None = None,
+) -> Generation:
+    """Generate up to ``max_new_tokens`` tokens per row of a left-padded prompt batch.
+
+    Tokens are drawn from ``softmax(top_p(logits / temperature))`` (``greedy`` takes the argmax of the raw
+    logits instead) using ``generator`` for reproducibility; the recorded log-prob is the sampling
+    distribution's (for greedy decoding: the temperature-scaled distribution's).
+    """
+    batch = input_ids.shape[0]
+    device = input_ids.device
+    attention_mask = attention_mask.long()
+    positions = position_ids_from_mask(attention_mask)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True,
+                logits_to_keep=1)
+    cache_kw = _cache_argument(model)
+    cache, logits = _returned_cache(out), out.logits[:, -1]
+    next_pos = positions[:, -1:] + 1
+    finished = torch.zeros(batch, dtype=torch.bool, device=device)
+    ids, logps, masks = [], [], []
+    for step in range(max_new_tokens):
+        logp_all = sampling_log_softmax(logits, temperature, top_p)  # [N, V]
+        if greedy:
+            token = logits.argmax(dim=-1)
+        else:
+            token = torch.multinomial(logp_all.exp(), 1, generator=generator).squeeze(-1)
+        logp = logp_all.gather(-1, token.unsqueeze(-1)).squeeze(-1)
+        active = ~finished
+        token = torch.where(active, token, torch.full_like(token, pad_token_id))
+        ids.append(token)
+        logps.append(torch.where(active, logp, torch.zeros_like(logp)))
+        masks.append(active)
+        finished = finished | (token == eos_token_id)
+        if bool(finished.all()) or step == max_new_tokens - 1:
+            break
+        attention_mask = torch.cat([attention_mask, active.long().unsqueeze(-1)], dim=-1)
+        out = model(input_ids=token.unsqueeze(-1), attention_mask=attention_mask, position_ids=next_pos,
+                    use_cache=True, **{cache_kw: cache})
+        cache, logits = _returned_cache(out), out.logits[:, -1]
+        next_pos = next_pos + 1
+    mask = torch.stack(masks, dim=1)
+    return Generation(
+        response_ids=torch.stack(ids, dim=1),
+        logprobs=torch.stack(logps, dim=1),
+        mask=mask.long(),
+        truncated=~finished,
+    )

@@ -1,0 +1,114 @@
+"""GRPO end to end on CPU: it trains, refuses bad settings, and never writes NaN into the weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rl_lightning.algorithms import GRPO, NonFiniteLossError
+from rl_lightning.callbacks import KLRegularizer
+from tests.conftest import tiny_datamodule, tiny_trainer
+
+
+def _params(module: GRPO) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.policy.state_dict().items()}
+
+
+def test_two_steps_change_the_weights_and_log_the_fixed_metrics(tmp_path, recorder):
+    module = GRPO(model_name_or_path="embedded:arithmetic", optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
+    before = _params(module)
+    trainer = tiny_trainer(tmp_path, max_steps=2, callbacks=[recorder])
+    trainer.fit(module, datamodule=tiny_datamodule())
+    assert trainer.global_step == 2
+    after = _params(module)
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    names = set(recorder.metrics[-1])
+    for name in ("train/reward", "train/reward_std", "train/zero_std_fraction", "train/response_length",
+                 "train/truncation_rate", "train/entropy", "train/clip_fraction", "train/clip_fraction_low",
+                 "train/clip_fraction_high", "train/sampler_logp_diff", "train/grad_norm", "train/approx_kl",
+                 "perf/step_time", "perf/rollout_time", "perf/tokens_per_sec"):
+        assert name in names, name
+    # On-policy, before the first update, the learner reproduces the sampler's log-probs.
+    assert recorder.metrics[0]["train/sampler_logp_diff"] < 1e-5
+    assert len(recorder.rewards[0]) == 16  # 4 prompts x G=4
+
+
+def test_group_size_one_is_refused_before_training(tmp_path):
+    module = GRPO(model_name_or_path="embedded:random")
+    trainer = tiny_trainer(tmp_path, max_steps=1)
+    with pytest.raises(ValueError, match="group_size >= 2"):
+        trainer.fit(module, datamodule=tiny_datamodule(group_size=1))
+
+
+class _NaNGRPO(GRPO):
+    def policy_loss(self, batch, logprobs, advantages, weights):  # noqa: ANN001
+        loss, stats = super().policy_loss(batch, logprobs, advantages, weights)
+        if self.global_step == 1:
+            loss = loss * float("nan")
+        return loss, stats
+
+
+def test_nan_loss_stops_with_the_step_and_leaves_weights_finite(tmp_path):
+    module = _NaNGRPO(model_name_or_path="embedded:random")
+    trainer = tiny_trainer(tmp_path, max_steps=3)
+    with pytest.raises(NonFiniteLossError, match="at step 1"):
+        trainer.fit(module, datamodule=tiny_datamodule())
+    assert all(torch.isfinite(p).all() for p in module.policy.parameters())
+
+
+def _one_step_weights(tmp_path, **module_kwargs) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    module = GRPO(model_name_or_path="embedded:arithmetic", optimizer=lambda p: torch.optim.SGD(p, lr=1.0),
+                  max_grad_norm=None, **module_kwargs)
+    tiny_trainer(tmp_path, max_steps=1).fit(module, datamodule=tiny_datamodule(temperature=1.5))
+    return _params(module)
+
+
+@pytest.mark.parametrize("aggregation", ["seq_mean_token_mean", "token_mean"])
+def test_micro_batching_does_not_change_the_update(tmp_path, aggregation):
+    full = _one_step_weights(tmp_path, loss_aggregation=aggregation)
+    split = _one_step_weights(tmp_path, loss_aggregation=aggregation, micro_batch_size=3)  # 16 rows -> 3+3+3+3+3+1
+    moved = 0
+    for k in full:
+        torch.testing.assert_close(split[k], full[k], atol=1e-6, rtol=1e-5)
+        moved += 1
+    assert moved > 0
+
+
+def test_kl_reference_is_only_created_when_beta_is_positive(tmp_path, recorder):
+    off = KLRegularizer(beta=0.0)
+    tiny_trainer(tmp_path, max_steps=1, callbacks=[off]).fit(GRPO(model_name_or_path="embedded:random"),
+                                                             datamodule=tiny_datamodule())
+    assert off.reference is None
+
+    on = KLRegularizer(beta=0.1, estimator="k3")
+    module = GRPO(model_name_or_path="embedded:arithmetic", optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
+    tiny_trainer(tmp_path, max_steps=3, callbacks=[on, recorder]).fit(module, datamodule=tiny_datamodule())
+    assert on.reference is not None
+    assert all(not p.requires_grad for p in on.reference.parameters())
+    kls = [m["train/kl"] for m in recorder.metrics]
+    assert abs(kls[0]) < 1e-6  # the policy equals its reference before the first update
+    assert kls[-1] > 1e-6  # and drifts from it after updates at a large learning rate
+
+
+def test_lagged_sampler_makes_the_mismatch_real(tmp_path, recorder):
+    module = GRPO(model_name_or_path="embedded:arithmetic", optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
+    tiny_trainer(tmp_path, max_steps=3, callbacks=[recorder]).fit(
+        module, datamodule=tiny_datamodule(sampler_sync_interval=2)
+    )
+    diffs = [m["train/sampler_logp_diff"] for m in recorder.metrics]
+    assert diffs[0] < 1e-5  # step 0: the copy was just taken
+    assert diffs[1] > 1e-4  # step 1: the copy is one update behind the learner
+    assert diffs[2] < 1e-5  # step 2: refreshed
+
+
+def test_clip_bounds_are_validated():
+    with pytest.raises(ValueError, match="clip_eps_low"):
+        GRPO(model_name_or_path="embedded:random", clip_eps_low=1.5)
+
+
+def test_sub_batching_is_validated(tmp_path):
+    module = GRPO(model_name_or_path="embedded:random", num_minibatches=3)
+    with pytest.raises(ValueError, match="num_minibatches=3"):
+        tiny_trainer(tmp_path, max_steps=1).fit(module, datamodule=tiny_datamodule())
+
