@@ -6,12 +6,17 @@
 from __future__ import annotations
 
 import os
+import warnings
 
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 
 from rl_lightning.algorithms.base import RLModule
 from rl_lightning.rollout.datamodule import RolloutDataModule
+
+
+# RLModule checkpoints after the step on purpose (the state after k updates, with the stream at k).
+warnings.filterwarnings("ignore", message=".*ModelCheckpoint with manual optimization.*")
 
 
 class RLCLI(LightningCLI):

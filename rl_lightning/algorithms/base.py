@@ -214,6 +214,7 @@ class RLModule(LightningModule):
 
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> None:
         start = time.perf_counter()
+        step = self.global_step  # updates done before this rollout
         optimizer = self.optimizers()
         advantages = self.compute_advantages(batch).detach()
         if advantages.dim() == 1:
@@ -271,8 +272,25 @@ class RLModule(LightningModule):
         metrics["perf/reward_time"] = torch.tensor(batch.reward_time)
         metrics["perf/update_time"] = torch.tensor(update_time)
         metrics["perf/tokens_per_sec"] = batch.loss_mask.sum().float().cpu() / step_time
-        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=batch.num_rows)
-        self.log("reward", metrics["train/reward"], prog_bar=True, logger=False, batch_size=batch.num_rows)
+        self.log_training_metrics(metrics, step=step, batch_size=batch.num_rows)
+
+    def log_training_metrics(self, metrics: dict[str, Tensor], step: int, batch_size: int) -> None:
+        """Average ``metrics`` over ranks and write them at ``step`` (the rollout's index, before its update).
+
+        They go to the loggers directly, one point per rollout step, so the x-axis is the same as for
+        ``val/reward`` and stays right across resumes; ``self.log`` feeds the progress bar and callbacks.
+        """
+        names = list(metrics)
+        values = torch.stack([metrics[k].detach().float().to(self.device).reshape(()) for k in names])
+        if self.trainer.world_size > 1:
+            values = self.trainer.strategy.reduce(values, reduce_op="mean")
+        reduced = dict(zip(names, values))
+        self.log_dict(reduced, on_step=True, on_epoch=False, logger=False, batch_size=batch_size)
+        self.log("reward", reduced["train/reward"], prog_bar=True, logger=False, batch_size=batch_size)
+        if self.trainer.is_global_zero:
+            scalars = {k: float(v) for k, v in reduced.items()}
+            for logger in self.loggers:
+                logger.log_metrics(scalars, step=step)
 
     def rollout_metrics(self, batch: RolloutBatch) -> dict[str, Tensor]:
         """The fixed rollout metrics of DESIGN.md (reward, spread, lengths, truncation)."""
@@ -289,8 +307,14 @@ class RLModule(LightningModule):
     # ================================================================== evaluation
     def validation_step(self, batch: RolloutBatch, batch_idx: int) -> None:
         self.val_reward.update(batch.rewards)
-        self.log("val/reward", self.val_reward, on_step=False, on_epoch=True, prog_bar=True,
-                 batch_size=batch.num_rows)
+
+    def on_validation_epoch_end(self) -> None:
+        """Log ``val/reward`` at ``step = global_step`` (the number of updates so far), like the step-0 entry."""
+        value = self.val_reward.compute()  # synchronised over ranks
+        self.val_reward.reset()
+        self.log("val/reward", value, prog_bar=True, logger=False)
+        if self.logger is not None and not self.trainer.sanity_checking:
+            self.logger.log_metrics({"val/reward": float(value)}, step=self.global_step)
 
     def on_train_start(self) -> None:
         """Log ``val/reward`` at step 0 (the warm-start level) before the first update of a fresh run."""

@@ -32,6 +32,8 @@ class ArithmeticTask(Task):
     ) -> None:
         if num_digits < 1:
             raise ValueError(f"ArithmeticTask: num_digits must be >= 1, got {num_digits}")
+        if num_heldout < 0:
+            raise ValueError(f"ArithmeticTask: num_heldout must be >= 0, got {num_heldout}")
         self.num_digits = num_digits
         self.operations: list[str] = list(operations or ["+"])
         for op in self.operations:

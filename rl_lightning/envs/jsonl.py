@@ -23,11 +23,15 @@ def read_prompt_file(path: str | Path, require_answer: bool = True) -> list[Prom
     if not path.is_file():
         raise PromptFileError(f"{path}: no such prompt file")
     prompts: list[Prompt] = []
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
+    with path.open("rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise PromptFileError(f"{where}: not valid UTF-8 (byte {err.start + 1} of the line)") from None
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
@@ -64,6 +68,8 @@ class JsonlTask(Task):
     def __init__(
         self, train_file: str, heldout_file: str | None = None, num_heldout: int = 0, seed: int = 1234
     ) -> None:
+        if num_heldout < 0:
+            raise ValueError(f"JsonlTask: num_heldout must be >= 0, got {num_heldout}")
         self.seed = seed
         prompts = read_prompt_file(train_file)
         if heldout_file is not None:

@@ -99,6 +99,10 @@ class RolloutBatch:
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != shape:
                 raise ValueError(f"RolloutBatch.{name} has shape {tuple(value.shape)}, expected {shape}")
+        for name in ("topk_ids", "topk_logprobs", "aux_ids"):
+            value = getattr(self, name)
+            if value is not None and (value.dim() != 3 or tuple(value.shape[:2]) != (n, t)):
+                raise ValueError(f"RolloutBatch.{name} has shape {tuple(value.shape)}, expected ({n}, {t}, k)")
         if self.group_size < 1 or n % self.group_size:
             raise ValueError(f"RolloutBatch: group_size={self.group_size} does not divide N={n}")
 

@@ -55,7 +55,7 @@ class RolloutDataModule(LightningDataModule):
         num_val_prompts: use only the first ``num_val_prompts`` held-out prompts (``None``: all).
         add_bos: prepend the tokenizer's BOS token to every prompt (when it has one).
         use_chat_template: wrap each prompt as a user message with the tokenizer's chat template.
-        seed: seeds the sampling generator (per rank).
+        seed: seeds sampling; step ``k`` on rank ``r`` draws from a generator seeded by ``(seed, r, k)``.
     """
 
     def __init__(
@@ -181,14 +181,16 @@ class RolloutDataModule(LightningDataModule):
             attention[i, width - len(ids):] = 1
         return input_ids.to(device), attention.to(device)
 
-    def _generator(self, device: torch.device) -> torch.Generator:
-        """The sampling generator, on the policy's device, seeded per rank (restored from a checkpoint)."""
-        if self.generator is None:
-            rank, _ = self._world()
+    def _generator(self, device: torch.device, step: int) -> torch.Generator:
+        """The sampling generator for ``step`` on this rank, seeded from ``(seed, rank, step)``.
+
+        Seeding per step keeps no state to checkpoint: every rank resumes its own stream exactly, whatever
+        the rank that writes the checkpoint, and a run may resume on another number of devices.
+        """
+        if self.generator is None or self.generator.device != device:
             self.generator = torch.Generator(device=device)
-            self.generator.manual_seed(self.seed * 1_000_003 + rank)
-            if self._pending_state is not None and "generator" in self._pending_state:
-                self.generator.set_state(self._pending_state.pop("generator"))
+        rank, _ = self._world()
+        self.generator.manual_seed((self.seed * 1_000_003 + rank) * 1_000_033 + step)
         return self.generator
 
     def sampler(self) -> nn.Module:
@@ -226,12 +228,13 @@ class RolloutDataModule(LightningDataModule):
             model, prompt_ids, prompt_mask, self.max_new_tokens,
             eos_token_id=module.tokenizer.eos_token_id, pad_token_id=module.tokenizer.pad_token_id,
             temperature=self.temperature, top_p=self.top_p, greedy=not train,
-            generator=self._generator(device) if train else None,
+            generator=self._generator(device, batch.step) if train else None,
         )
         model.train(was_training)
         t1 = time.perf_counter()
+        lengths = gen.mask.sum(dim=1).tolist()  # generated tokens per row (EOS included); padding follows
         responses = module.tokenizer.batch_decode(
-            (gen.response_ids * gen.mask).tolist(), skip_special_tokens=True
+            [row[:n] for row, n in zip(gen.response_ids.tolist(), lengths)], skip_special_tokens=True
         )
         rewards = torch.tensor([score(self.reward_fn, p, r) for p, r in zip(prompts, responses)],
                                dtype=torch.float32, device=device)
@@ -269,8 +272,6 @@ class RolloutDataModule(LightningDataModule):
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"cursor": self.cursor}
-        if self.generator is not None:
-            state["generator"] = self.generator.get_state()
         if self._sampler is not None:
             state["sampler"] = {k: v.detach().cpu() for k, v in self._sampler.state_dict().items()}
             state["sampler_synced_at"] = self._sampler_synced_at
@@ -279,5 +280,5 @@ class RolloutDataModule(LightningDataModule):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.cursor = int(state_dict["cursor"])
         self._pending_state = {k: v for k, v in state_dict.items() if k != "cursor"}
-        self.generator, self._sampler = None, None
+        self._sampler = None
         rank_zero_info(f"RolloutDataModule: resuming the prompt stream at step {self.cursor}")

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Install rl_lightning into ./.venv (idempotent; a second run only checks).
+# On a machine without an NVIDIA GPU, torch comes from the CPU build `torch==2.13.0` first, so that
+# resolving the package's dependencies never pulls a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")"
+PYTHON="${PYTHON:-python3}"
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
+    "${PIP[@]}" "torch>=2.4,<=2.14.1"
+  else
+    "${PIP[@]}" "torch==2.13.0"
+  fi
+fi
+"${PIP[@]}" -e ".[dev]"
+.venv/bin/python -c "import rl_lightning, torch; print(f'rl_lightning {rl_lightning.__version__} installed (torch {torch.__version__})')"

@@ -1,0 +1,159 @@
+"""``RolloutBatch``: shape validation naming the field, ``select`` and group structure, ``to()``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import Tensor
+
+from rl_lightning.envs import Prompt
+from rl_lightning.rollout import PromptBatch, RolloutBatch
+
+N, P, T, G = 6, 3, 4, 2
+
+
+def _fields(**overrides):
+    g = torch.Generator().manual_seed(0)
+    fields = dict(
+        input_ids=torch.arange(N * (P + T)).reshape(N, P + T),
+        attention_mask=torch.ones(N, P + T, dtype=torch.long),
+        prompt_length=P,
+        loss_mask=torch.ones(N, T, dtype=torch.long),
+        sampler_logprobs=-torch.rand(N, T, generator=g),
+        rewards=torch.arange(N, dtype=torch.float32),
+        group_size=G,
+        prompt_index=torch.arange(N) // G + 100,
+        truncated=torch.tensor([True, False] * (N // 2)),
+        temperature=0.7,
+        top_p=0.9,
+        prompts=[Prompt(f"p{i // G}", str(i // G)) for i in range(N)],
+        responses=[f"r{i}" for i in range(N)],
+        obs_mask=torch.zeros(N, T, dtype=torch.long),
+        ref_logprobs=-torch.rand(N, T, generator=g),
+        topk_ids=torch.randint(0, 9, (N, T, 3), generator=g),
+        topk_logprobs=-torch.rand(N, T, 3, generator=g),
+        aux_ids=torch.randint(0, 9, (N, T, 2), generator=g),
+    )
+    fields.update(overrides)
+    return fields
+
+
+def _batch(**overrides) -> RolloutBatch:
+    return RolloutBatch(**_fields(**overrides))
+
+
+def test_valid_batch_and_properties():
+    b = _batch(loss_mask=torch.tensor([[1, 1, 0, 0]] * N))
+    assert b.num_rows == N
+    assert torch.equal(b.response_ids, b.input_ids[:, P:])
+    assert b.response_lengths.tolist() == [2] * N
+    minimal = _batch(obs_mask=None, ref_logprobs=None, topk_ids=None, topk_logprobs=None, aux_ids=None)
+    assert minimal.obs_mask is None
+
+
+@pytest.mark.parametrize(
+    ("name", "bad"),
+    [
+        ("attention_mask", torch.ones(N, P + T + 1)),
+        ("attention_mask", torch.ones(N - 1, P + T)),
+        ("loss_mask", torch.ones(N, T - 1)),
+        ("loss_mask", torch.ones(N, P + T)),
+        ("sampler_logprobs", torch.zeros(N, T + 1)),
+        ("rewards", torch.zeros(N + 1)),
+        ("rewards", torch.zeros(N, 1)),
+        ("prompt_index", torch.zeros(N - 2, dtype=torch.long)),
+        ("truncated", torch.zeros(1, dtype=torch.bool)),
+        ("obs_mask", torch.zeros(N, T + 2)),
+        ("ref_logprobs", torch.zeros(N, 1)),
+    ],
+)
+def test_shape_validation_names_the_field(name, bad):
+    with pytest.raises(ValueError, match=f"RolloutBatch.{name} has shape"):
+        _batch(**{name: bad})
+
+
+@pytest.mark.parametrize(
+    ("name", "bad"),
+    [
+        ("topk_ids", torch.zeros(N - 1, T, 3, dtype=torch.long)),
+        ("topk_logprobs", torch.zeros(N, T + 1, 3)),
+        ("aux_ids", torch.zeros(N, T - 1, 2, dtype=torch.long)),
+    ],
+)
+def test_shape_validation_of_per_token_extras(name, bad):
+    """The documented ``[N, T, k]`` / ``[N, T, K]`` fields are row tensors too (sliced by ``select``)."""
+    with pytest.raises(ValueError, match=name):
+        _batch(**{name: bad})
+
+
+def test_prompt_length_beyond_width_is_rejected():
+    with pytest.raises(ValueError):
+        _batch(prompt_length=P + T + 1)
+
+
+@pytest.mark.parametrize("group_size", [4, 5, 0])
+def test_group_size_must_divide_rows(group_size):
+    with pytest.raises(ValueError, match="group_size"):
+        _batch(group_size=group_size)
+
+
+def _assert_rows(sub: RolloutBatch, full: RolloutBatch, rows: list[int]) -> None:
+    idx = torch.tensor(rows)
+    for f in ("input_ids", "attention_mask", "loss_mask", "sampler_logprobs", "rewards", "prompt_index",
+              "truncated", "obs_mask", "ref_logprobs", "topk_ids", "topk_logprobs", "aux_ids"):
+        assert torch.equal(getattr(sub, f), getattr(full, f)[idx]), f
+    assert sub.prompts == [full.prompts[i] for i in rows]
+    assert sub.responses == [full.responses[i] for i in rows]
+    assert (sub.prompt_length, sub.temperature, sub.top_p) == (full.prompt_length, full.temperature, full.top_p)
+
+
+@pytest.mark.parametrize(
+    ("rows", "group_size"),
+    [
+        ([2, 3], G),            # one whole group
+        ([4, 5, 0, 1], G),      # whole groups, reordered
+        ([0, 1, 2, 3, 4, 5], G),
+        ([0, 2], 1),            # one row from each of two groups
+        ([1, 2], 1),            # contiguous but straddling a group boundary
+        ([3, 2], 1),            # a whole group, rows swapped: not contiguous in order
+        ([0, 1, 2], 1),         # a group and a half
+        ([5], 1),
+    ],
+)
+def test_select_keeps_rows_and_group_size_only_for_whole_groups(rows, group_size):
+    full = _batch()
+    sub = full.select(torch.tensor(rows))
+    assert sub.num_rows == len(rows)
+    assert sub.group_size == group_size
+    _assert_rows(sub, full, rows)
+
+
+def test_select_without_optional_fields_and_texts():
+    full = _batch(obs_mask=None, topk_ids=None, topk_logprobs=None, aux_ids=None, ref_logprobs=None,
+                  prompts=[], responses=[])
+    sub = full.select(torch.tensor([1, 4]))
+    assert sub.obs_mask is None and sub.topk_ids is None and sub.prompts == [] and sub.responses == []
+    assert sub.rewards.tolist() == [1.0, 4.0]
+
+
+def test_to_moves_every_tensor():
+    full = _batch()
+    moved = full.to("meta")
+    tensor_fields = [f.name for f in dataclasses.fields(RolloutBatch) if isinstance(getattr(full, f.name), Tensor)]
+    assert len(tensor_fields) >= 12
+    for name in tensor_fields:
+        value = getattr(moved, name)
+        assert value.device.type == "meta", name
+        assert value.dtype == getattr(full, name).dtype and value.shape == getattr(full, name).shape, name
+        assert getattr(full, name).device.type == "cpu", name  # the original is untouched
+    assert moved.prompts == full.prompts and moved.responses == full.responses
+    assert (moved.group_size, moved.prompt_length, moved.temperature) == (G, P, 0.7)
+    partial = _batch(obs_mask=None, aux_ids=None).to("meta")
+    assert partial.obs_mask is None and partial.aux_ids is None and partial.input_ids.device.type == "meta"
+
+
+def test_prompt_batch_to_is_identity():
+    pb = PromptBatch("train", 3, [6, 7], [Prompt("a", "1"), Prompt("b", "2")])
+    assert pb.to("meta") is pb

@@ -1,0 +1,96 @@
+"""The command line: every config parses, --print_config works, bad input fails early, a short fit logs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from rl_lightning.cli import build_cli
+from tests.conftest import REPO
+
+CONFIGS = sorted(p for p in (REPO / "configs").glob("*.yaml"))
+TINY = [
+    "--trainer.max_steps", "2", "--trainer.val_check_interval", "2",
+    "--data.init_args.task.init_args.num_heldout", "16", "--data.init_args.prompts_per_step", "4",
+    "--data.init_args.group_size", "4", "--data.init_args.max_new_tokens", "4",
+]
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "rl_lightning", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_there_are_configs():
+    assert any(p.name == "grpo.yaml" for p in CONFIGS)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
+def test_every_config_parses_and_instantiates(config, tmp_path):
+    cli = build_cli(["--config", str(config), f"--trainer.default_root_dir={tmp_path}"], run=False)
+    from rl_lightning.algorithms import RLModule
+    from rl_lightning.rollout import RolloutDataModule
+
+    assert isinstance(cli.model, RLModule)
+    assert isinstance(cli.datamodule, RolloutDataModule)
+    assert cli.trainer.max_steps > 0
+
+
+def test_print_config_prints_the_resolved_config(tmp_path):
+    proc = _cli("fit", "--config", str(REPO / "configs" / "grpo.yaml"), "--trainer.max_steps", "7",
+                "--print_config", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "class_path: rl_lightning.algorithms.GRPO" in proc.stdout
+    assert "max_steps: 7" in proc.stdout
+    assert "logprob_chunk_size: 16" in proc.stdout  # base-class defaults are resolved too
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [(["--model.init_args.bogus_field", "3"], "bogus_field"),
+     (["--model.init_args.clip_eps_low", "abc"], "clip_eps_low"),
+     (["--data.init_args.group_size", "many"], "group_size")],
+)
+def test_bad_fields_fail_before_training_with_the_field_named(override, needle, tmp_path):
+    proc = _cli("fit", "--config", str(REPO / "configs" / "grpo.yaml"), *override, cwd=tmp_path)
+    assert proc.returncode != 0
+    assert needle in proc.stderr
+    assert not (tmp_path / "runs").exists()  # nothing ran
+
+
+def test_bad_model_path_gives_one_clear_line(tmp_path):
+    proc = _cli("fit", "--config", str(REPO / "configs" / "grpo.yaml"),
+                "--model.init_args.model_name_or_path", str(tmp_path / "nope"), *TINY, cwd=tmp_path)
+    assert proc.returncode != 0
+    assert f"model_name_or_path='{tmp_path / 'nope'}': no such directory" in proc.stderr
+
+
+def test_short_fit_logs_the_fixed_metrics_and_resumes_from_last(tmp_path):
+    proc = _cli("fit", "--config", str(REPO / "configs" / "grpo.yaml"), *TINY, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    log_dir = tmp_path / "runs" / "grpo" / "version_0"
+    assert f"TensorBoard logs: {log_dir}" in proc.stdout + proc.stderr
+    acc = EventAccumulator(str(log_dir))
+    acc.Reload()
+    scalars = set(acc.Tags()["scalars"])
+    for name in ("train/reward", "train/zero_std_fraction", "train/entropy", "train/sampler_logp_diff",
+                 "train/grad_norm", "perf/step_time", "perf/tokens_per_sec", "val/reward"):
+        assert name in scalars, name
+    assert [e.step for e in acc.Scalars("val/reward")] == [0, 2]  # warm start, then after 2 steps
+    assert "samples/train/text_summary" in acc.Tags()["tensors"]
+    assert (tmp_path / "runs" / "grpo" / "checkpoints" / "last.ckpt").is_file()
+
+    more = [a if a != "2" or i != 1 else "3" for i, a in enumerate(TINY)]  # max_steps 3
+    proc = _cli("fit", "--config", str(REPO / "configs" / "grpo.yaml"), *more, "--ckpt_path", "last", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "resuming the prompt stream at step 2" in proc.stdout + proc.stderr
+    acc = EventAccumulator(str(tmp_path / "runs" / "grpo" / "version_1"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("train/reward")] == [2]  # only the one new step; no step-0 eval
+    assert "val/reward" not in acc.Tags()["scalars"] or 0 not in [e.step for e in acc.Scalars("val/reward")]
