@@ -4,7 +4,7 @@ Importing the package registers the algorithms and the data module, so configs a
 name them by their short class names (``--model GRPO``).
 """
 
-from rl_lightning.algorithms import GRPO, RLModule
+from rl_lightning.algorithms import GRPO, PPO, REINFORCE, RLOO, PolicyGradient, RLModule
 from rl_lightning.callbacks import KLRegularizer, RolloutSamples
 from rl_lightning.envs import ArithmeticTask, ExactMatchReward, JsonlTask
 from rl_lightning.rollout import RolloutBatch, RolloutDataModule
@@ -16,6 +16,10 @@ __all__ = [
     "ExactMatchReward",
     "GRPO",
     "JsonlTask",
+    "PPO",
+    "PolicyGradient",
+    "REINFORCE",
+    "RLOO",
     "KLRegularizer",
     "RLModule",
     "RolloutBatch",

@@ -1,6 +1,11 @@
 """One LightningModule per method; ``RLModule`` is the shared base."""
 
-from rl_lightning.algorithms.base import LossTerm, NonFiniteLossError, RLModule
+from rl_lightning.algorithms.base import LossTerm, NonFiniteLossError, PolicyOutput, RLModule
 from rl_lightning.algorithms.grpo import GRPO
+from rl_lightning.algorithms.pg import PolicyGradient
+from rl_lightning.algorithms.ppo import PPO
+from rl_lightning.algorithms.reinforce import REINFORCE
+from rl_lightning.algorithms.rloo import RLOO
 
-__all__ = ["GRPO", "LossTerm", "NonFiniteLossError", "RLModule"]
+__all__ = ["GRPO", "PPO", "REINFORCE", "RLOO", "LossTerm", "NonFiniteLossError", "PolicyGradient", "PolicyOutput",
+           "RLModule"]

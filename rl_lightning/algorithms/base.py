@@ -4,11 +4,12 @@ The step template (``training_step``), for one ``RolloutBatch`` produced by the 
 
 1. ``advantages = compute_advantages(batch)``            -- hook (``[N]`` or ``[N, T]``, detached)
 2. ``weights = loss_weights(batch)``                     -- aggregation normaliser, once per rollout batch
-3. for ``num_iterations`` (μ) passes, for each of ``num_minibatches`` minibatches (one optimiser step each),
-   for each micro-batch of ``micro_batch_size`` rows (gradient accumulation):
-   ``logprobs = token_logprobs(mb)``; ``loss = policy_loss(mb, logprobs, advantages, weights)`` -- hook;
-   ``+`` every loss term contributed by callbacks (``LossTerm`` protocol); backward.
-4. clip, check for non-finite values, step; log the fixed metrics.
+3. ``update(batch, advantages, weights)``                -- hook with a default: for ``num_iterations`` (μ)
+   passes, for each of ``num_minibatches`` minibatches (one optimiser step each), for each micro-batch of
+   ``micro_batch_size`` rows (gradient accumulation): ``out = forward_policy(mb)``;
+   ``loss = policy_loss(mb, out, advantages, weights)`` -- hook; ``+`` every loss term contributed by
+   callbacks (``LossTerm`` protocol); backward; then clip, refuse non-finite values, step.
+4. log the fixed metrics at the rollout's step.
 
 Because the weights are computed on the whole batch (and summed over ranks under data parallelism), the
 gradient of one optimiser step does not depend on how its rows are split into micro-batches or devices.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import time
 from abc import abstractmethod
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -34,6 +36,22 @@ from rl_lightning.functional import AggregationMode, aggregation_weights, sampli
 from rl_lightning.models.policy import DType, load_policy
 from rl_lightning.rollout.batch import RolloutBatch
 from rl_lightning.rollout.generation import position_ids_from_mask
+
+
+@dataclass
+class PolicyOutput:
+    """The learner's view of a batch: what ``forward_policy`` returns for the rows it was given.
+
+    Attributes:
+        logprobs: ``[n, T]`` log-probs of the generated tokens (0 on padding), carrying the gradient.
+        entropy: ``[n, T]`` per-token entropy of the sampling distribution (carries the gradient), if asked.
+        hidden: ``[n, T, H]`` final hidden states at the positions that predict each response token (for
+            value heads on the policy backbone), if asked.
+    """
+
+    logprobs: Tensor
+    entropy: Tensor | None = None
+    hidden: Tensor | None = None
 
 
 @runtime_checkable
@@ -117,24 +135,32 @@ class RLModule(LightningModule):
 
     @abstractmethod
     def policy_loss(
-        self, batch: RolloutBatch, logprobs: Tensor, advantages: Tensor, weights: Tensor
+        self, batch: RolloutBatch, out: PolicyOutput, advantages: Tensor, weights: Tensor
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """The loss of the rows of ``batch`` (to minimise) and detached metrics (named ``train/...``).
 
-        ``advantages`` are the rows' slice, shaped ``[n, 1]`` or ``[n, T]``; ``weights`` ``[n, T]`` are the
-        aggregation weights to use with ``functional.aggregate``.
+        ``out`` is ``forward_policy`` of those rows; ``advantages`` are the rows' slice, shaped ``[n, 1]`` or
+        ``[n, T]``; ``weights`` ``[n, T]`` are the aggregation weights to use with ``functional.aggregate``.
         """
+
+    #: ask ``forward_policy`` for a differentiable entropy on every update (entropy bonuses)
+    needs_entropy: bool = False
+    #: ask ``forward_policy`` for the final hidden states (value heads on the policy backbone)
+    needs_hidden: bool = False
 
     def check_datamodule(self, datamodule: Any) -> None:
         """Refuse data settings the method cannot use (called at setup). Default: accept everything."""
 
     # ================================================================== shared machinery
     def configure_optimizers(self) -> Any:
-        params = [p for p in self.policy.parameters() if p.requires_grad]
-        optimizer = self.optimizer_factory(params)
+        optimizer = self.optimizer_factory(self.parameter_groups())
         if self.lr_scheduler_factory is None:
             return optimizer
         return {"optimizer": optimizer, "lr_scheduler": self.lr_scheduler_factory(optimizer)}
+
+    def parameter_groups(self) -> list[dict[str, Any]]:
+        """Optimiser parameter groups: the policy (settings from ``optimizer``); methods add e.g. a critic group."""
+        return [{"params": list(self.policy.parameters())}]
 
     def setup(self, stage: str) -> None:
         datamodule = getattr(self.trainer, "datamodule", None)
@@ -146,14 +172,15 @@ class RLModule(LightningModule):
         model, _ = load_policy(self.hparams.model_name_or_path, self.hparams.dtype)
         return model.requires_grad_(False).eval().to(self.device)
 
-    def token_logprobs(
-        self, batch: RolloutBatch, model: nn.Module | None = None, with_entropy: bool = False
-    ) -> tuple[Tensor, Tensor | None]:
-        """Per-token log-probs ``[N, T]`` of the generated tokens under ``model`` (default: the policy).
+    def forward_policy(
+        self, batch: RolloutBatch, model: nn.Module | None = None, with_entropy: bool = False,
+        with_hidden: bool = False,
+    ) -> PolicyOutput:
+        """Score the generated tokens of ``batch`` under ``model`` (default: the policy).
 
-        Tokens are scored under the sampler's exact distribution (its temperature and top-p), so on-policy
-        they equal ``batch.sampler_logprobs``. Only the ``T + 1`` positions that predict response tokens are
-        projected to the vocabulary.
+        Tokens are scored under the sampler's exact distribution (its temperature and top-p), so on-policy the
+        log-probs equal ``batch.sampler_logprobs``. Only the ``T + 1`` positions that predict response tokens
+        are projected to the vocabulary.
         """
         model = self.policy if model is None else model
         width = batch.input_ids.shape[1] - batch.prompt_length  # T
@@ -163,13 +190,25 @@ class RLModule(LightningModule):
             position_ids=position_ids_from_mask(batch.attention_mask),
             logits_to_keep=width + 1,
             use_cache=False,
+            output_hidden_states=with_hidden,
         )
         logits = out.logits[:, :-1]  # [N, T, V]: position P-1+t predicts response token t
         logprobs, entropy = sampling_logprobs(
             logits, batch.response_ids, batch.temperature, batch.top_p, self.logprob_chunk_size, with_entropy
         )
         mask = batch.loss_mask.to(logprobs.dtype)
-        return logprobs * mask, (None if entropy is None else entropy * mask)
+        hidden = None
+        if with_hidden:
+            start = batch.prompt_length - 1
+            hidden = out.hidden_states[-1][:, start:start + width]  # [N, T, H]
+        return PolicyOutput(logprobs * mask, None if entropy is None else entropy * mask, hidden)
+
+    def token_logprobs(
+        self, batch: RolloutBatch, model: nn.Module | None = None, with_entropy: bool = False
+    ) -> tuple[Tensor, Tensor | None]:
+        """``(logprobs [N, T], entropy or None)`` of ``forward_policy`` (a shorthand)."""
+        out = self.forward_policy(batch, model, with_entropy=with_entropy)
+        return out.logprobs, out.entropy
 
     def loss_weights(self, batch: RolloutBatch) -> Tensor:
         """Aggregation weights ``[N, T]`` for the whole rollout batch, with the normaliser summed over ranks.
@@ -212,17 +251,44 @@ class RLModule(LightningModule):
                 f"(iteration {iteration}, minibatch {minibatch}); the weights were not updated"
             )
 
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        """Parameters the optimiser steps (and whose gradient norm is clipped); methods with a critic add it."""
+        return list(self.policy.parameters())
+
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> None:
         start = time.perf_counter()
         step = self.global_step  # updates done before this rollout
-        optimizer = self.optimizers()
         advantages = self.compute_advantages(batch).detach()
         if advantages.dim() == 1:
             advantages = advantages.unsqueeze(-1)  # [N, 1], broadcast over tokens
-        weights = self.loss_weights(batch) * self.num_minibatches  # each optimiser step at full-batch scale
+        weights = self.loss_weights(batch)
+        stats = self.update(batch, advantages, weights)
+        scheduler = self.lr_schedulers()
+        if scheduler is not None:
+            scheduler.step()
+        update_time = time.perf_counter() - start
+        metrics = {key: torch.stack([v.detach().float().reshape(()) for v in values]).mean()
+                   for key, values in stats.items()}
+        metrics.update(self.rollout_metrics(batch))
+        step_time = batch.rollout_time + batch.reward_time + update_time
+        metrics["perf/step_time"] = torch.tensor(step_time)
+        metrics["perf/rollout_time"] = torch.tensor(batch.rollout_time)
+        metrics["perf/reward_time"] = torch.tensor(batch.reward_time)
+        metrics["perf/update_time"] = torch.tensor(update_time)
+        metrics["perf/tokens_per_sec"] = batch.loss_mask.sum().float().cpu() / step_time
+        self.log_training_metrics(metrics, step=step, batch_size=batch.num_rows)
+
+    def update(self, batch: RolloutBatch, advantages: Tensor, weights: Tensor) -> dict[str, list[Tensor]]:
+        """Optimise on one rollout batch: μ iterations × minibatches × micro-batches (see the module docstring).
+
+        Returns the metrics of every micro-batch/step, averaged by ``training_step``. ``train/sampler_logp_diff``
+        and ``train/entropy`` are measured on the first optimiser step's rows, before any update.
+        """
+        optimizer = self.optimizers()
+        weights = weights * self.num_minibatches  # each optimiser step at full-batch scale
         terms = self._loss_terms()
         stats: dict[str, list[Tensor]] = {}
-        first: dict[str, Tensor] = {}
+        first: dict[str, list[Tensor]] = {"diff": [], "entropy": [], "tokens": []}
         steps_total = self.num_iterations * self.num_minibatches
         steps_done = 0
         for iteration in range(self.num_iterations):
@@ -231,23 +297,24 @@ class RLModule(LightningModule):
                 for micro in self._micro_batches(rows):
                     mb = batch.select(micro)
                     measure = steps_done == 0
-                    logprobs, entropy = self.token_logprobs(mb, with_entropy=measure)
+                    out = self.forward_policy(mb, with_entropy=measure or self.needs_entropy,
+                                              with_hidden=self.needs_hidden)
                     if measure:  # before any update: the learner vs the sampler that drew the tokens
-                        diff = (logprobs.detach() - mb.sampler_logprobs).abs()
-                        first.setdefault("sampler_logp_diff", []).append((diff * mb.loss_mask).sum())
-                        first.setdefault("entropy", []).append(entropy.sum())
-                        first.setdefault("tokens", []).append(mb.loss_mask.sum())
-                    loss, loss_stats = self.policy_loss(mb, logprobs, advantages[micro], weights[micro])
+                        first["diff"].append(((out.logprobs.detach() - mb.sampler_logprobs).abs() * mb.loss_mask).sum())
+                        first["entropy"].append(out.entropy.detach().sum())
+                        first["tokens"].append(mb.loss_mask.sum())
+                    loss, loss_stats = self.policy_loss(mb, out, advantages[micro], weights[micro])
                     for term in terms:
-                        extra, extra_stats = term.loss_term(self, mb, logprobs, weights[micro])
+                        extra, extra_stats = term.loss_term(self, mb, out.logprobs, weights[micro])
                         loss = loss + extra
                         loss_stats = {**loss_stats, **extra_stats}
                     self._check_finite(loss.detach(), "loss", iteration, index)
-                    self.manual_backward(loss)
+                    if loss.requires_grad:  # e.g. not while a callback has frozen every parameter
+                        self.manual_backward(loss)
                     stats.setdefault("train/loss", []).append(loss.detach())
                     for key, value in loss_stats.items():
                         stats.setdefault(key, []).append(value.detach().float())
-                params = [p for p in self.policy.parameters() if p.grad is not None]
+                params = [p for p in self.trainable_parameters() if p.grad is not None]
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm or float("inf"))
                 self._check_finite(grad_norm, "gradient norm", iteration, index)
                 stats.setdefault("train/grad_norm", []).append(grad_norm.detach())
@@ -257,22 +324,10 @@ class RLModule(LightningModule):
                 else:
                     optimizer.optimizer.step()
         optimizer.zero_grad()
-        scheduler = self.lr_schedulers()
-        if scheduler is not None:
-            scheduler.step()
-        update_time = time.perf_counter() - start
         tokens = torch.stack(first["tokens"]).sum().clamp(min=1.0)
-        metrics = {key: torch.stack(values).mean() for key, values in stats.items()}
-        metrics["train/sampler_logp_diff"] = torch.stack(first["sampler_logp_diff"]).sum() / tokens
-        metrics["train/entropy"] = torch.stack(first["entropy"]).sum() / tokens
-        metrics.update(self.rollout_metrics(batch))
-        step_time = batch.rollout_time + batch.reward_time + update_time
-        metrics["perf/step_time"] = torch.tensor(step_time)
-        metrics["perf/rollout_time"] = torch.tensor(batch.rollout_time)
-        metrics["perf/reward_time"] = torch.tensor(batch.reward_time)
-        metrics["perf/update_time"] = torch.tensor(update_time)
-        metrics["perf/tokens_per_sec"] = batch.loss_mask.sum().float().cpu() / step_time
-        self.log_training_metrics(metrics, step=step, batch_size=batch.num_rows)
+        stats["train/sampler_logp_diff"] = [torch.stack(first["diff"]).sum() / tokens]
+        stats["train/entropy"] = [torch.stack(first["entropy"]).sum() / tokens]
+        return stats
 
     def log_training_metrics(self, metrics: dict[str, Tensor], step: int, batch_size: int) -> None:
         """Average ``metrics`` over ranks and write them at ``step`` (the rollout's index, before its update).

@@ -12,7 +12,7 @@ from typing import Any
 from torch import Tensor
 from typing_extensions import override
 
-from rl_lightning.algorithms.base import RLModule
+from rl_lightning.algorithms.base import PolicyOutput, RLModule
 from rl_lightning.functional import clipped_policy_loss, group_advantages
 from rl_lightning.rollout.batch import RolloutBatch
 
@@ -58,10 +58,10 @@ class GRPO(RLModule):
 
     @override
     def policy_loss(
-        self, batch: RolloutBatch, logprobs: Tensor, advantages: Tensor, weights: Tensor
+        self, batch: RolloutBatch, out: PolicyOutput, advantages: Tensor, weights: Tensor
     ) -> tuple[Tensor, dict[str, Tensor]]:
         loss, stats = clipped_policy_loss(
-            logprobs, batch.sampler_logprobs, advantages, batch.loss_mask, weights,
+            out.logprobs, batch.sampler_logprobs, advantages, batch.loss_mask, weights,
             self.clip_eps_low, self.clip_eps_high,
         )
         return loss, {

@@ -5,7 +5,9 @@ contiguous blocks of ``group_size`` rows.
 """
 
 from rl_lightning.functional.advantages import (
+    baseline_advantages,
     batch_centered_advantages,
+    ema_update,
     gae,
     group_advantages,
     leave_one_out_advantages,
@@ -14,23 +16,34 @@ from rl_lightning.functional.kl import KLKind, kl_estimate
 from rl_lightning.functional.logprobs import sampling_log_softmax, sampling_logprobs, top_p_mask
 from rl_lightning.functional.losses import (
     AggregationMode,
+    PolicyGradientStats,
     PolicyLossStats,
     aggregate,
     aggregation_weights,
     clipped_policy_loss,
     clipped_surrogate,
+    clipped_value_loss,
+    explained_variance,
+    policy_gradient_loss,
+    ValueLossStats,
 )
 from rl_lightning.functional.masked import masked_mean, masked_sum, masked_whiten
 
 __all__ = [
     "AggregationMode",
     "KLKind",
+    "PolicyGradientStats",
     "PolicyLossStats",
+    "ValueLossStats",
     "aggregate",
     "aggregation_weights",
+    "baseline_advantages",
     "batch_centered_advantages",
     "clipped_policy_loss",
     "clipped_surrogate",
+    "clipped_value_loss",
+    "ema_update",
+    "explained_variance",
     "gae",
     "group_advantages",
     "kl_estimate",
@@ -38,6 +51,7 @@ __all__ = [
     "masked_mean",
     "masked_sum",
     "masked_whiten",
+    "policy_gradient_loss",
     "sampling_log_softmax",
     "sampling_logprobs",
     "top_p_mask",

@@ -131,3 +131,25 @@ def gae(
         next_value = torch.where(m > 0, values[:, t], next_value)
     returns = (advantages + values) * maskf
     return advantages, returns
+
+
+def baseline_advantages(rewards: Tensor, baseline: Tensor | float) -> Tensor:
+    """REINFORCE with a baseline (spec 003, §2): ``A_i = R_i - b``; ``b`` is a constant (stop-gradient).
+
+    Example:
+        >>> baseline_advantages(torch.tensor([0.9, 0.2]), 0.6)   # the spec's example
+        tensor([ 0.3000, -0.4000])
+    """
+    return rewards - torch.as_tensor(baseline, dtype=rewards.dtype, device=rewards.device).detach()
+
+
+def ema_update(average: Tensor, value: Tensor, decay: float) -> Tensor:
+    """Exponential moving average ``decay * average + (1 - decay) * value`` (REINFORCE's running baseline).
+
+    Example:
+        >>> ema_update(torch.tensor(0.5), torch.tensor(1.0), 0.9)
+        tensor(0.5500)
+    """
+    if not 0.0 <= decay < 1.0:
+        raise ValueError(f"ema decay must be in [0, 1), got {decay}")
+    return decay * average + (1.0 - decay) * value

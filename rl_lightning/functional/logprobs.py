@@ -63,7 +63,7 @@ def sampling_logprobs(
         tokens: ``[B, T]`` token ids.
         temperature, top_p: the sampler's settings.
         chunk_size: rows per chunk.
-        with_entropy: also return the per-token entropy ``-Σ_v p_v log p_v`` (detached).
+        with_entropy: also return the per-token entropy ``-Σ_v p_v log p_v`` (it carries the gradient).
 
     Returns:
         ``(logprobs [B, T], entropy [B, T] or None)``.
@@ -74,9 +74,8 @@ def sampling_logprobs(
         tok = tokens[start:start + chunk_size]
         logp_all = sampling_log_softmax(chunk, temperature, top_p, keep=tok)  # [b, T, V]
         out.append(logp_all.gather(-1, tok.unsqueeze(-1)).squeeze(-1))
-        if with_entropy:
-            with torch.no_grad():
-                p = logp_all.exp()
-                ent.append(-(p * logp_all.masked_fill(p == 0, 0.0)).sum(-1))
+        if with_entropy:  # differentiable (entropy bonuses); callers detach it for metrics
+            p = logp_all.exp()
+            ent.append(-(p * logp_all.masked_fill(p == 0, 0.0)).sum(-1))
         del logp_all
     return torch.cat(out), (torch.cat(ent) if with_entropy else None)

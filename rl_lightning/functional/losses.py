@@ -132,3 +132,97 @@ def clipped_policy_loss(
             approx_kl=(kl_estimate(old_logprobs, logprobs.detach(), "k3") * mask).sum() / count,
         )
     return loss, stats
+
+
+class PolicyGradientStats(NamedTuple):
+    """Detached diagnostics of ``policy_gradient_loss``."""
+
+    logprob_mean: Tensor  # mean log-prob of the generated tokens
+    advantage_mean: Tensor  # token-mean advantage
+
+
+def policy_gradient_loss(
+    logprobs: Tensor, advantages: Tensor, mask: Tensor, weights: Tensor
+) -> tuple[Tensor, PolicyGradientStats]:
+    """The REINFORCE surrogate ``-Σ_{i,t} w_{i,t} · sg(A_{i,t}) · log π_θ(a_{i,t} | s_{i,t})``.
+
+    With ``A_i = R_i`` and ``w = 1/N`` (``seq_mean_token_sum``) this is spec 003 §1 (Policy Gradient,
+    ``L = -R_i Σ_t log π``) averaged over responses; with ``A_i = R_i - b`` it is §2 (REINFORCE + baseline);
+    with leave-one-out ``A_i`` it is §3 (RLOO, ``-1/G Σ_i A_i Σ_t log π``). Advantages are constants: no
+    gradient flows into them.
+
+    Args:
+        logprobs: ``[B, T]`` learner log-probs (carry the gradient).
+        advantages: ``[B, T]``, ``[B, 1]`` or ``[B]``.
+        mask, weights: ``[B, T]``; ``weights`` from ``aggregation_weights`` on the whole rollout batch.
+
+    Example:
+        >>> lp = torch.tensor([[-1.0, -2.0]]); m = torch.ones(1, 2)
+        >>> policy_gradient_loss(lp, torch.tensor([0.5]), m, aggregation_weights(m, "seq_mean_token_sum"))[0]
+        tensor(1.5000)   # -(0.5 * (-1) + 0.5 * (-2))
+    """
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1)
+    advantages = advantages.detach()
+    loss = -aggregate(advantages * logprobs * mask, weights)
+    with torch.no_grad():
+        count = mask.sum().clamp(min=1.0)
+        stats = PolicyGradientStats(
+            logprob_mean=(logprobs * mask).sum() / count,
+            advantage_mean=(advantages.expand_as(mask) * mask).sum() / count,
+        )
+    return loss, stats
+
+
+class ValueLossStats(NamedTuple):
+    """Detached diagnostics of ``clipped_value_loss``."""
+
+    value_clip_fraction: Tensor  # tokens where the clipped branch was larger
+    explained_variance: Tensor
+
+
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
+    """``1 - Var[returns - values] / Var[returns]`` over the masked tokens (1 = perfect, <= 0 = no better
+    than predicting the mean). Returns 0 when the returns have no variance."""
+    m = mask.to(values.dtype)
+    count = m.sum().clamp(min=1.0)
+
+    def var(x: Tensor) -> Tensor:
+        mean = (x * m).sum() / count
+        return (((x - mean) ** 2) * m).sum() / count
+
+    total = var(returns)
+    return torch.where(total > 0, 1.0 - var(returns - values) / total.clamp(min=1e-12), torch.zeros_like(total))
+
+
+def clipped_value_loss(
+    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, weights: Tensor, clip_range: float | None
+) -> tuple[Tensor, ValueLossStats]:
+    """PPO value loss (spec 003 §5; "N+ implementation details of RLHF with PPO"):
+
+    ``Σ w · ½ max((V - R)², (V_old + clip(V - V_old, -ε_v, ε_v) - R)²)`` with ``R`` the GAE returns;
+    ``clip_range=None`` gives the plain ``Σ w · ½ (V - R)²``.
+
+    Example:
+        >>> m = torch.ones(1, 1); w = m
+        >>> clipped_value_loss(torch.tensor([[1.0]]), torch.tensor([[0.0]]), torch.tensor([[1.0]]), m, w, 0.2)[0]
+        tensor(0.3200)   # unclipped 0; clipped: V_old + 0.2 = 0.2 -> ½ (0.8)² = 0.32 is the max
+    """
+    returns, old_values = returns.detach(), old_values.detach()
+    unclipped = (values - returns) ** 2
+    if clip_range is None:
+        per_token = 0.5 * unclipped
+        clipped_wins = torch.zeros_like(unclipped, dtype=torch.bool)
+    else:
+        clipped_values = old_values + torch.clamp(values - old_values, -clip_range, clip_range)
+        clipped = (clipped_values - returns) ** 2
+        per_token = 0.5 * torch.maximum(unclipped, clipped)
+        clipped_wins = clipped > unclipped
+    loss = aggregate(per_token, weights)
+    with torch.no_grad():
+        count = mask.sum().clamp(min=1.0)
+        stats = ValueLossStats(
+            value_clip_fraction=(clipped_wins & mask.bool()).sum() / count,
+            explained_variance=explained_variance(values.detach(), returns, mask),
+        )
+    return loss, stats

@@ -40,7 +40,7 @@ class PromptBatch:
 # Per-row tensors whose first dimension is N, moved and sliced together. Optional ones may be None.
 _ROW_TENSORS = (
     "input_ids", "attention_mask", "loss_mask", "sampler_logprobs", "rewards", "prompt_index", "truncated",
-    "obs_mask", "ref_logprobs", "topk_ids", "topk_logprobs", "aux_ids",
+    "obs_mask", "ref_logprobs", "values", "returns", "topk_ids", "topk_logprobs", "aux_ids",
 )
 
 
@@ -62,6 +62,8 @@ class RolloutBatch:
         prompts, responses: ``N`` prompts and decoded responses (for rewards, logging and error messages).
         obs_mask: ``[N, T]`` 1 on observation tokens of multi-turn episodes (context, never loss), optional.
         ref_logprobs: ``[N, T]`` reference-model log-probs, filled in by a KL callback when needed.
+        values, returns: ``[N, T]`` critic values at rollout time and their targets, filled in by methods with
+            a critic (PPO) when they compute advantages.
         topk_ids, topk_logprobs: ``[N, T, k]`` the sampler's top-k ids/log-probs (Score Centering), optional.
         aux_ids: ``[N, T, K]`` K auxiliary draws per position (StableReinforce), optional.
         rollout_time, reward_time: seconds spent generating and scoring this batch.
@@ -82,6 +84,8 @@ class RolloutBatch:
     responses: list[str] = field(default_factory=list)
     obs_mask: Tensor | None = None
     ref_logprobs: Tensor | None = None
+    values: Tensor | None = None
+    returns: Tensor | None = None
     topk_ids: Tensor | None = None
     topk_logprobs: Tensor | None = None
     aux_ids: Tensor | None = None
@@ -94,6 +98,7 @@ class RolloutBatch:
         expect = {
             "attention_mask": (n, width), "loss_mask": (n, t), "sampler_logprobs": (n, t), "rewards": (n,),
             "prompt_index": (n,), "truncated": (n,), "obs_mask": (n, t), "ref_logprobs": (n, t),
+            "values": (n, t), "returns": (n, t),
         }
         for name, shape in expect.items():
             value = getattr(self, name)

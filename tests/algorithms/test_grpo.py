@@ -41,8 +41,8 @@ def test_group_size_one_is_refused_before_training(tmp_path):
 
 
 class _NaNGRPO(GRPO):
-    def policy_loss(self, batch, logprobs, advantages, weights):  # noqa: ANN001
-        loss, stats = super().policy_loss(batch, logprobs, advantages, weights)
+    def policy_loss(self, batch, out, advantages, weights):  # noqa: ANN001
+        loss, stats = super().policy_loss(batch, out, advantages, weights)
         if self.global_step == 1:
             loss = loss * float("nan")
         return loss, stats
@@ -112,3 +112,17 @@ def test_sub_batching_is_validated(tmp_path):
     with pytest.raises(ValueError, match="num_minibatches=3"):
         tiny_trainer(tmp_path, max_steps=1).fit(module, datamodule=tiny_datamodule())
 
+
+
+def test_several_iterations_and_minibatches_count_one_step_per_rollout(tmp_path, recorder):
+    module = GRPO(model_name_or_path="embedded:arithmetic", num_iterations=2, num_minibatches=2,
+                  optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
+    before = _params(module)
+    trainer = tiny_trainer(tmp_path, max_steps=2, callbacks=[recorder])
+    trainer.fit(module, datamodule=tiny_datamodule())
+    assert trainer.global_step == 2  # 2 rollouts x (2 iterations x 2 minibatches) optimiser steps
+    assert len(recorder.metrics) == 2
+    assert any(not torch.equal(before[k], v) for k, v in _params(module).items())
+    # Later minibatches are scored after earlier updates: the policy moved away from π_old within a step.
+    assert recorder.metrics[0]["train/approx_kl"] > 0
+    assert recorder.metrics[0]["train/sampler_logp_diff"] < 1e-5  # measured before the first update only

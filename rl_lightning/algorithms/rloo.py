@@ -1,0 +1,27 @@
+"""RLOO (spec 003, §3): ``L = -1/G Σ_i A_i Σ_t log π_θ(a_{i,t}|s_{i,t})`` with ``A_i = R_i - mean_{j≠i} R_j``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+from typing_extensions import override
+
+from rl_lightning.algorithms.pg import PolicyGradient
+from rl_lightning.functional import leave_one_out_advantages
+from rl_lightning.rollout.batch import RolloutBatch
+
+
+class RLOO(PolicyGradient):
+    """REINFORCE Leave-One-Out: each response's baseline is the mean reward of the *other* responses to its
+    prompt. No value network. Advantages are constants in the update. Needs ``data.group_size >= 2``."""
+
+    @override
+    def check_datamodule(self, datamodule: Any) -> None:
+        group_size = getattr(datamodule, "group_size", None)
+        if group_size is not None and group_size < 2:
+            raise ValueError(f"RLOO needs data.group_size >= 2 (a leave-one-out baseline), got {group_size}")
+
+    @override
+    def compute_advantages(self, batch: RolloutBatch) -> Tensor:
+        return leave_one_out_advantages(batch.rewards, batch.group_size)

@@ -1,0 +1,81 @@
+"""Critics: a scalar value per generated-token position, on the policy's backbone or a separate network.
+
+``V(s_t)`` is read from the hidden state at the position that predicts response token ``t`` (the state
+before ``t`` is generated), so a value never sees the token it evaluates or anything after it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+from transformers import PreTrainedModel
+
+from rl_lightning.models.policy import DType, load_policy
+
+CriticMode = Literal["shared", "separate"]
+
+
+class ValueHead(nn.Module):
+    """``V = w · h + b``, initialised to output 0 (so early advantages are the raw returns)."""
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(hidden_size, 1)
+        nn.init.zeros_(self.proj.weight)
+        nn.init.zeros_(self.proj.bias)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return self.proj(hidden.to(self.proj.weight.dtype)).squeeze(-1)
+
+
+class Critic(nn.Module):
+    """A value model in one of two modes.
+
+    * ``shared``: a ``ValueHead`` on the policy's final hidden states (one forward serves both; the
+      backbone is trained by both losses). ``values`` needs the policy's ``hidden``.
+    * ``separate``: its own causal-LM backbone (initialised from a checkpoint) plus a ``ValueHead``.
+
+    Args:
+        mode: ``shared`` or ``separate``.
+        hidden_size: width of the hidden states the head reads.
+        backbone: the separate critic's causal LM (``None`` in shared mode).
+    """
+
+    def __init__(self, mode: CriticMode, hidden_size: int, backbone: PreTrainedModel | None = None) -> None:
+        super().__init__()
+        if (mode == "separate") != (backbone is not None):
+            raise ValueError("Critic: a backbone is required in 'separate' mode and not allowed in 'shared' mode")
+        self.mode = mode
+        self.backbone = backbone
+        self.head = ValueHead(hidden_size)
+
+    def values(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        position_ids: Tensor,
+        prompt_length: int,
+        hidden: Tensor | None = None,
+    ) -> Tensor:
+        """``[N, T]`` values of the states before each response token (``T = width - prompt_length``)."""
+        width = input_ids.shape[1] - prompt_length
+        if self.mode == "shared":
+            if hidden is None:
+                raise ValueError("Critic(shared) needs the policy's hidden states")
+            return self.head(hidden)
+        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            output_hidden_states=True, use_cache=False, logits_to_keep=1)
+        states = out.hidden_states[-1][:, prompt_length - 1:prompt_length - 1 + width]  # [N, T, H]
+        return self.head(states)
+
+
+def build_critic(mode: CriticMode, policy: PreTrainedModel, model_name_or_path: str, dtype: DType) -> Critic:
+    """A critic for ``policy``: a head on it (``shared``) or a fresh copy of ``model_name_or_path`` (``separate``)."""
+    hidden_size = int(policy.config.hidden_size)
+    if mode == "shared":
+        return Critic("shared", hidden_size).to(dtype=getattr(torch, dtype))
+    backbone, _ = load_policy(model_name_or_path, dtype)
+    backbone.train()
+    return Critic("separate", int(backbone.config.hidden_size), backbone).to(dtype=getattr(torch, dtype))
