@@ -164,8 +164,19 @@ class RLModule(LightningModule):
 
     def setup(self, stage: str) -> None:
         datamodule = getattr(self.trainer, "datamodule", None)
-        if datamodule is not None:
-            self.check_datamodule(datamodule)
+        if datamodule is None:
+            return
+        per_step = getattr(datamodule, "prompts_per_step", None)
+        group_size = getattr(datamodule, "group_size", None)
+        if per_step is not None and group_size is not None and stage == "fit":
+            rows = per_step // max(self.trainer.world_size, 1) * group_size
+            if rows % self.num_minibatches:
+                raise ValueError(
+                    f"{type(self).__name__}: num_minibatches={self.num_minibatches} does not divide the {rows} rows "
+                    f"of a rollout batch per device (data.prompts_per_step={per_step} / {self.trainer.world_size} "
+                    f"device(s) x data.group_size={group_size})"
+                )
+        self.check_datamodule(datamodule)
 
     def load_frozen_copy(self) -> nn.Module:
         """A fresh, frozen copy of the *initial* policy (reloaded from ``model_name_or_path``), on this device."""

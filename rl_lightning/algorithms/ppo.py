@@ -22,17 +22,11 @@ from rl_lightning.functional import (
     clipped_value_loss,
     gae,
     masked_whiten,
+    outcome_token_rewards,
 )
 from rl_lightning.models.value import CriticMode, build_critic
 from rl_lightning.rollout.batch import RolloutBatch
 from rl_lightning.rollout.generation import position_ids_from_mask
-
-
-def outcome_rewards(rewards: Tensor, mask: Tensor) -> Tensor:
-    """``[N, T]`` per-token rewards: ``R_i`` on the last generated token of row ``i``, 0 elsewhere."""
-    last = (mask.long().cumsum(dim=1) == mask.long().sum(dim=1, keepdim=True)) & mask.bool()
-    first_last = last & (last.long().cumsum(dim=1) == 1)  # exactly one position per non-empty row
-    return first_last.to(rewards.dtype) * rewards.unsqueeze(-1)
 
 
 class PPO(RLModule):
@@ -116,7 +110,7 @@ class PPO(RLModule):
         with torch.no_grad():
             out = self.forward_policy(batch, with_hidden=True) if self.needs_hidden else None
             values = self.critic_values(batch, out)  # V_old, [N, T]
-        rewards = outcome_rewards(batch.rewards.float(), batch.loss_mask)
+        rewards = outcome_token_rewards(batch.rewards.float(), batch.loss_mask)
         advantages, returns = gae(rewards, values, batch.loss_mask, self.gamma, self.lam)
         batch.values, batch.returns = values, returns  # carried into every minibatch by select()
         if self.whiten_advantages:

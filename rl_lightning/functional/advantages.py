@@ -153,3 +153,19 @@ def ema_update(average: Tensor, value: Tensor, decay: float) -> Tensor:
     if not 0.0 <= decay < 1.0:
         raise ValueError(f"ema decay must be in [0, 1), got {decay}")
     return decay * average + (1.0 - decay) * value
+
+
+def outcome_token_rewards(rewards: Tensor, mask: Tensor) -> Tensor:
+    """Place each response's scalar reward on its last generated token: ``r_{i,t} = R_i`` if ``t`` is the last
+    position of row ``i`` where ``mask == 1``, else 0 (the per-token reward GAE consumes, spec 003 §5).
+
+    Rows with an empty mask get no reward.
+
+    Example:
+        >>> outcome_token_rewards(torch.tensor([1.0, 2.0]), torch.tensor([[1, 1, 0], [1, 1, 1]]))
+        tensor([[0., 1., 0.],
+                [0., 0., 2.]])
+    """
+    counts = mask.long().sum(dim=1, keepdim=True)  # [B, 1]
+    last = (mask.long().cumsum(dim=1) == counts) & mask.bool() & (counts > 0)  # the last masked position
+    return last.to(rewards.dtype) * rewards.unsqueeze(-1)
