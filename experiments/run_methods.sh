@@ -11,6 +11,7 @@ cd "$(dirname "$0")/.."
 methods="${1:-grpo pg reinforce rloo ppo}"
 seeds="${2:-0 1 2}"
 bin=.venv/bin
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # tiny models gain nothing from threads; avoids oversubscription
 for method in $methods; do
   for seed in $seeds; do
     echo "== $method seed $seed"

@@ -7,13 +7,16 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO
 
 
-def test_ddp_two_processes_shard_prompts_and_agree_on_weights(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+@pytest.mark.parametrize("method", ["grpo", "ppo-separate"])
+def test_ddp_two_processes_shard_prompts_and_agree_on_weights(method, tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "helpers" / "ddp_run.py"), str(tmp_path)],
+        [sys.executable, str(REPO / "tests" / "helpers" / "ddp_run.py"), str(tmp_path), method],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]

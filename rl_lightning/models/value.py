@@ -35,12 +35,13 @@ class Critic(nn.Module):
 
     * ``shared``: a ``ValueHead`` on the policy's final hidden states (one forward serves both; the
       backbone is trained by both losses). ``values`` needs the policy's ``hidden``.
-    * ``separate``: its own causal-LM backbone (initialised from a checkpoint) plus a ``ValueHead``.
+    * ``separate``: its own decoder (initialised from a causal-LM checkpoint, LM head dropped) plus a
+      ``ValueHead``.
 
     Args:
         mode: ``shared`` or ``separate``.
         hidden_size: width of the hidden states the head reads.
-        backbone: the separate critic's causal LM (``None`` in shared mode).
+        backbone: the separate critic's decoder (a causal LM without its LM head; ``None`` in shared mode).
     """
 
     def __init__(self, mode: CriticMode, hidden_size: int, backbone: PreTrainedModel | None = None) -> None:
@@ -66,8 +67,8 @@ class Critic(nn.Module):
                 raise ValueError("Critic(shared) needs the policy's hidden states")
             return self.head(hidden)
         out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            output_hidden_states=True, use_cache=False, logits_to_keep=1)
-        states = out.hidden_states[-1][:, prompt_length - 1:prompt_length - 1 + width]  # [N, T, H]
+                            use_cache=False)
+        states = out.last_hidden_state[:, prompt_length - 1:prompt_length - 1 + width]  # [N, T, H]
         return self.head(states)
 
 
@@ -76,6 +77,7 @@ def build_critic(mode: CriticMode, policy: PreTrainedModel, model_name_or_path: 
     hidden_size = int(policy.config.hidden_size)
     if mode == "shared":
         return Critic("shared", hidden_size).to(dtype=getattr(torch, dtype))
-    backbone, _ = load_policy(model_name_or_path, dtype)
-    backbone.train()
-    return Critic("separate", int(backbone.config.hidden_size), backbone).to(dtype=getattr(torch, dtype))
+    model, _ = load_policy(model_name_or_path, dtype)
+    # Only the decoder: the language-model head would be an unused parameter (DDP refuses those).
+    backbone = model.get_decoder().train()
+    return Critic("separate", int(model.config.hidden_size), backbone).to(dtype=getattr(torch, dtype))

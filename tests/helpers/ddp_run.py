@@ -1,6 +1,6 @@
 """Run GRPO for two steps under 2-process CPU DDP (gloo) and dump what each rank saw and ended with.
 
-Usage: python tests/helpers/ddp_run.py OUT_DIR   (plain ``ddp`` relaunches this script for rank 1)
+Usage: python tests/helpers/ddp_run.py OUT_DIR [grpo|ppo-separate]   (plain ``ddp`` relaunches this script)
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from lightning.pytorch import Callback, Trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from rl_lightning.algorithms import GRPO  # noqa: E402
+from rl_lightning.algorithms import GRPO, PPO  # noqa: E402
 from tests.conftest import tiny_datamodule  # noqa: E402
 
 
@@ -29,7 +29,7 @@ class Dump(Callback):
         self.loss.append(float(trainer.callback_metrics["train/loss"]))
 
     def on_train_end(self, trainer, pl_module) -> None:  # noqa: ANN001
-        flat = torch.cat([p.detach().flatten() for p in pl_module.policy.parameters()])
+        flat = torch.cat([p.detach().flatten() for p in pl_module.parameters()])
         record = {
             "rank": trainer.global_rank,
             "world_size": trainer.world_size,
@@ -46,7 +46,12 @@ def main() -> None:
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
-    module = GRPO(model_name_or_path="embedded:arithmetic", optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
+    method = sys.argv[2] if len(sys.argv) > 2 else "grpo"
+    optimizer = lambda p: torch.optim.AdamW(p, lr=1e-3)  # noqa: E731
+    if method == "grpo":
+        module = GRPO(model_name_or_path="embedded:arithmetic", optimizer=optimizer)
+    else:  # every parameter of a separate critic must receive a gradient, or plain DDP refuses the step
+        module = PPO(model_name_or_path="embedded:arithmetic", critic="separate", optimizer=optimizer)
     trainer = Trainer(
         accelerator="cpu", devices=2, strategy="ddp", max_steps=2, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,

@@ -1,0 +1,122 @@
+"""docs/extending.md stays true: its code is the example files, its command runs, and Dr. GRPO's math is right."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from rl_lightning.algorithms import LossTerm, PolicyOutput
+from rl_lightning.rollout import RolloutBatch
+from tests.conftest import REPO
+
+DOC = REPO / "docs" / "extending.md"
+EXAMPLES = REPO / "docs" / "examples"
+COMMAND = "PYTHONPATH=docs/examples rl-lightning fit --config docs/examples/dr_grpo.yaml"
+TINY = [
+    "--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--data.init_args.prompts_per_step", "4",
+    "--data.init_args.group_size", "4", "--data.init_args.task.init_args.num_heldout", "16",
+]
+
+
+def _fenced_blocks(text: str) -> list[tuple[str, str]]:
+    """``(info string, content)`` of every fenced block, content with its trailing newline."""
+    blocks, info, lines = [], None, []
+    for line in text.splitlines(keepends=True):
+        if line.startswith("```"):
+            if info is None:
+                info, lines = line[3:].strip(), []
+            else:
+                blocks.append((info, "".join(lines)))
+                info = None
+        elif info is not None:
+            lines.append(line)
+    assert info is None, "unclosed fenced block in docs/extending.md"
+    return blocks
+
+
+def _dr_grpo() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("dr_grpo", EXAMPLES / "dr_grpo.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_page_shows_the_example_files_verbatim():
+    blocks = _fenced_blocks(DOC.read_text())
+    titled = {}
+    for info, content in blocks:
+        match = re.search(r'title="([^"]+)"', info)
+        if match:
+            titled[match.group(1)] = content
+    assert set(titled) == {"docs/examples/dr_grpo.py", "docs/examples/dr_grpo.yaml"}
+    for path, content in titled.items():
+        assert content == (REPO / path).read_text(), f"docs/extending.md is out of date with {path}"
+    assert len((EXAMPLES / "dr_grpo.py").read_text().splitlines()) < 60
+    # The command block is exactly the one the run test executes.
+    assert [c.strip() for i, c in blocks if i == "bash"] == [COMMAND]
+    # The untitled python snippet (a LossTerm callback) is valid and does what it says.
+    snippets = [c for i, c in blocks if i == "python"]
+    assert len(snippets) == 1
+    namespace: dict = {}
+    exec(compile(snippets[0], "extending.md", "exec"), namespace)  # noqa: S102
+    callback = namespace["PositiveNLL"](coef=0.5)
+    assert isinstance(callback, LossTerm)
+    logprobs = torch.tensor([[-1.0, -2.0], [-3.0, 0.0]])
+    term, stats = callback.loss_term(None, SimpleNamespace(rewards=torch.tensor([1.0, 0.0])), logprobs,
+                                     torch.full((2, 2), 0.25))
+    assert term.item() == pytest.approx(0.5 * 0.25 * 3.0)  # only row 0 (reward 1): 0.5 · 0.25 · (1 + 2)
+    assert set(stats) == {"train/positive_nll"}
+
+
+def test_the_documented_command_runs(tmp_path):
+    env_part, *argv = shlex.split(COMMAND)
+    key, value = env_part.split("=")
+    assert (key, value) == ("PYTHONPATH", "docs/examples")
+    assert argv[:3] == ["rl-lightning", "fit", "--config"]
+    exe = Path(sys.executable).with_name("rl-lightning")
+    command = [str(exe)] if exe.exists() else [sys.executable, "-m", "rl_lightning"]
+    command += [argv[1], argv[2], str(REPO / argv[3]), *TINY]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / value), str(REPO)]), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    acc = EventAccumulator(str(tmp_path / "runs" / "dr_grpo" / "version_0"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("train/reward")] == [0, 1]
+    assert (tmp_path / "runs" / "dr_grpo" / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_dr_grpo_advantages_and_weights_on_a_hand_batch():
+    module = _dr_grpo().DrGRPO(model_name_or_path="embedded:random")
+    assert module.scale_rewards is False and module.loss_aggregation == "seq_mean_token_sum"
+    with pytest.raises(RuntimeError, match="L_max is unknown"):
+        module.loss_weights(None)
+    module.check_datamodule(SimpleNamespace(group_size=2, max_new_tokens=5))  # L_max = 5 (T below is 4)
+
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]])  # ragged, one empty row
+    n, t = mask.shape
+    batch = RolloutBatch(
+        input_ids=torch.zeros(n, 2 + t, dtype=torch.long), attention_mask=torch.ones(n, 2 + t, dtype=torch.long),
+        prompt_length=2, loss_mask=mask, sampler_logprobs=torch.full((n, t), -1.0) * mask,
+        rewards=torch.tensor([1.0, 0.0, 0.5, 0.5]), group_size=2, prompt_index=torch.tensor([0, 0, 1, 1]),
+        truncated=torch.zeros(n, dtype=torch.bool),
+    )
+    # Group means 0.5 and 0.5: A = R - mean_G = [0.5, -0.5, 0, 0] (GRPO's std scaling would give ±1).
+    advantages = module.compute_advantages(batch)
+    torch.testing.assert_close(advantages, torch.tensor([0.5, -0.5, 0.0, 0.0]))
+    # Weights mask / (N · L_max) = mask / 20, whatever the response lengths.
+    weights = module.loss_weights(batch)
+    torch.testing.assert_close(weights, mask.float() / 20)
+    # On-policy (ρ = 1): loss = -Σ w A = -(3 · 0.5 + 1 · (-0.5)) / 20 = -0.05.
+    out = PolicyOutput(logprobs=batch.sampler_logprobs.clone())
+    loss, _ = module.policy_loss(batch, out, advantages.unsqueeze(-1), weights)
+    assert loss.item() == pytest.approx(-0.05)
