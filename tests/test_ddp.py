@@ -1,4 +1,8 @@
-"""Two CPU processes (gloo): ranks draw different prompts and end with identical weights."""
+"""Two CPU processes (gloo): ranks draw different prompts, see the same averaged gradient, end with identical
+weights, and that gradient is the one of a single process holding both ranks' rows (the global normaliser).
+
+One 2-process run per method (``tests/helpers/ddp_run.py``); every check reads what that run dumped.
+"""
 
 from __future__ import annotations
 
@@ -6,27 +10,162 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 from tests.conftest import REPO
 
+STEPS = 2
 
-@pytest.mark.parametrize("method", ["grpo", "ppo-separate"])
-def test_ddp_two_processes_shard_prompts_and_agree_on_weights(method, tmp_path):
+
+def _run(method: str, out: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "helpers" / "ddp_run.py"), str(tmp_path), method],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+        [sys.executable, str(REPO / "tests" / "helpers" / "ddp_run.py"), str(out), method],
+        cwd=out, env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    r0 = json.loads((tmp_path / "rank0.json").read_text())
-    r1 = json.loads((tmp_path / "rank1.json").read_text())
+
+
+_RUNS: dict[str, Path] = {}
+
+
+def _ddp(method: str, tmp_path_factory) -> tuple[str, Path]:  # noqa: ANN001
+    """``(method, dump directory)`` of one 2-process run, run once and shared by the tests of this module."""
+    if method not in _RUNS:
+        out = tmp_path_factory.mktemp(f"ddp-{method}")
+        _run(method, out)
+        _RUNS[method] = out
+    return method, _RUNS[method]
+
+
+@pytest.fixture(scope="module", params=["grpo", "ppo-separate"])
+def ddp_run(request, tmp_path_factory) -> tuple[str, Path]:
+    return _ddp(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def grpo_ddp_run(tmp_path_factory) -> tuple[str, Path]:
+    return _ddp("grpo", tmp_path_factory)
+
+
+def _step(out: Path, step: int, rank: int) -> dict[str, Any]:
+    return torch.load(out / f"step{step}_rank{rank}.pt", weights_only=False)
+
+
+def test_ddp_two_processes_shard_prompts_and_agree_on_weights(ddp_run):
+    _, out = ddp_run
+    r0 = json.loads((out / "rank0.json").read_text())
+    r1 = json.loads((out / "rank1.json").read_text())
     assert r0["world_size"] == r1["world_size"] == 2
-    assert len(r0["prompt_index"]) == len(r1["prompt_index"]) == 2
+    assert len(r0["prompt_index"]) == len(r1["prompt_index"]) == STEPS
     for step, (a, b) in enumerate(zip(r0["prompt_index"], r1["prompt_index"])):
         assert len(a) == len(b) == 2  # prompts_per_step=4 split over 2 ranks
         assert not set(a) & set(b), f"step {step}: ranks drew the same prompts"
         assert sorted(a + b) == list(range(4 * step, 4 * step + 4))  # together: the 1-process stream
     assert r0["params"] == r1["params"]
     assert r0["param_sum"] == r1["param_sum"] and r0["param_abs_sum"] == r1["param_abs_sum"]
+
+
+def test_ddp_ranks_step_with_the_same_averaged_gradient(ddp_run):
+    _, out = ddp_run
+    for step in range(STEPS):
+        g0, g1 = _step(out, step, 0)["grads"], _step(out, step, 1)["grads"]
+        assert g0 and g0.keys() == g1.keys()
+        assert max(float(g.abs().max()) for g in g0.values()) > 0, f"step {step}: zero gradient"
+        for name in g0:
+            assert torch.equal(g0[name], g1[name]), f"step {step}: ranks disagree on the gradient of {name}"
+
+
+# ---------------------------------------------------------------------------- one process, whole batch
+def _concat(records: list[dict[str, Any]], pad_id: int):
+    """One ``RolloutBatch`` of every rank's rows: prompts re-left-padded, responses re-right-padded."""
+    from rl_lightning.rollout.batch import RolloutBatch
+
+    widths = [r["input_ids"].shape[1] for r in records]
+    p_max = max(r["prompt_length"] for r in records)
+    t_max = max(w - r["prompt_length"] for w, r in zip(widths, records))
+    parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("input_ids", "attention_mask", "loss_mask",
+                                                            "sampler_logprobs")}
+    for width, r in zip(widths, records):
+        n, p, t = r["input_ids"].shape[0], r["prompt_length"], width - r["prompt_length"]
+        ids = torch.full((n, p_max + t_max), pad_id, dtype=r["input_ids"].dtype)
+        att = torch.zeros((n, p_max + t_max), dtype=r["attention_mask"].dtype)
+        ids[:, p_max - p:p_max + t] = r["input_ids"]
+        att[:, p_max - p:p_max + t] = r["attention_mask"]
+        parts["input_ids"].append(ids)
+        parts["attention_mask"].append(att)
+        for name in ("loss_mask", "sampler_logprobs"):
+            padded = torch.zeros((n, t_max), dtype=r[name].dtype)
+            padded[:, :t] = r[name]
+            parts[name].append(padded)
+    assert len({r["group_size"] for r in records}) == 1
+    return RolloutBatch(
+        **{k: torch.cat(v) for k, v in parts.items()},
+        prompt_length=p_max,
+        rewards=torch.cat([r["rewards"] for r in records]),
+        group_size=records[0]["group_size"],
+        prompt_index=torch.cat([r["prompt_index"] for r in records]),
+        truncated=torch.cat([r["truncated"] for r in records]),
+        temperature=records[0]["temperature"],
+        top_p=records[0]["top_p"],
+    )
+
+
+def _single_process_step(state: dict[str, torch.Tensor], batch, aggregation: str):
+    """``(loss, {name: grad})`` of GRPO's update on ``batch`` in one process (no trainer: world size 1)."""
+    from rl_lightning.algorithms import GRPO
+
+    module = GRPO(model_name_or_path="embedded:arithmetic", loss_aggregation=aggregation, max_grad_norm=None)
+    module.policy.load_state_dict(state)
+    module.policy.train()
+    advantages = module.compute_advantages(batch).detach().unsqueeze(-1)
+    weights = module.loss_weights(batch)
+    loss, _ = module.policy_loss(batch, module.forward_policy(batch), advantages, weights)
+    loss.backward()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
+def _assert_grads_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> float:
+    assert got.keys() == want.keys()
+    scale = max(float(g.abs().max()) for g in want.values())
+    worst = max(float((got[n] - want[n]).abs().max()) for n in want)
+    assert worst <= 1e-5 * scale + 1e-8, f"{what}: max |Δgrad| {worst:.3e} vs max |grad| {scale:.3e}"
+    return worst
+
+
+def test_ddp_gradient_equals_one_process_holding_the_whole_batch(grpo_ddp_run):
+    method, out = grpo_ddp_run
+    from rl_lightning.algorithms import GRPO
+    from rl_lightning.models.policy import load_policy
+    from tests.helpers.ddp_run import GRPO_AGGREGATION
+
+    pad_id = load_policy("embedded:arithmetic")[1].pad_token_id
+    for step, aggregation in enumerate(GRPO_AGGREGATION):
+        ranks = [_step(out, step, rank) for rank in (0, 1)]
+        assert [r["aggregation"] for r in ranks] == [aggregation] * 2
+        records = [r["batch"] for r in ranks]
+        tokens = [float(r["loss_mask"].sum()) for r in records]
+        if aggregation == "token_mean":  # else a per-rank token count would give the same normaliser
+            assert tokens[0] != tokens[1], f"step {step}: both ranks generated {tokens[0]} tokens"
+        batch = _concat(records, pad_id)
+
+        # groups never straddle ranks, so the whole batch's advantages are the ranks' advantages side by side
+        module = GRPO(model_name_or_path="embedded:arithmetic")
+        per_rank = torch.cat([module.compute_advantages(_concat([r], pad_id)) for r in records])
+        assert torch.equal(module.compute_advantages(batch), per_rank)
+        assert per_rank.abs().max() > 0, f"step {step}: every advantage is zero; the comparison would be vacuous"
+
+        loss, grads = _single_process_step(ranks[0]["state"], batch, aggregation)
+        _assert_grads_close(ranks[0]["grads"], grads, f"step {step} ({aggregation})")
+        # the logged loss is the ranks' mean of their (globally normalised, x world size) losses: the global one
+        assert ranks[0]["logged_loss"] == pytest.approx(float(loss), rel=1e-5, abs=1e-7)
+
+        if aggregation == "token_mean":  # the check has teeth: per-rank normalisers give another gradient
+            local = [_single_process_step(ranks[0]["state"], _concat([r], pad_id), aggregation)[1] for r in records]
+            wrong = {n: (local[0][n] + local[1][n]) / 2 for n in grads}
+            with pytest.raises(AssertionError):
+                _assert_grads_close(wrong, grads, "per-rank normaliser")

@@ -86,7 +86,8 @@ class RLModule(LightningModule):
         micro_batch_size: rows per forward/backward (gradient accumulation); ``None`` = the whole minibatch.
         loss_aggregation: how per-token losses are combined (see ``functional.aggregation_weights``).
         max_grad_norm: gradient-norm clip (``None`` disables clipping; the norm is still logged).
-        logprob_chunk_size: rows per chunk when turning logits into log-probs (bounds peak memory).
+        logprob_chunk_size: token positions per chunk when turning logits into log-probs and entropy (bounds
+            the temporaries to [chunk, V]; see functional.sampling_logprobs).
         seed: seeds minibatch shuffling.
     """
 
@@ -101,7 +102,7 @@ class RLModule(LightningModule):
         micro_batch_size: int | None = None,
         loss_aggregation: AggregationMode = "seq_mean_token_mean",
         max_grad_norm: float | None = 1.0,
-        logprob_chunk_size: int = 16,
+        logprob_chunk_size: int = 256,
         seed: int = 0,
     ) -> None:
         super().__init__()
@@ -390,7 +391,9 @@ class RLModule(LightningModule):
         total, count = datamodule.evaluate()
         sums = torch.tensor([total, float(count)], device=self.device)
         sums = self.trainer.strategy.reduce(sums, reduce_op="sum")
-        value = float(sums[0] / sums[1].clamp(min=1.0))
+        if float(sums[1]) == 0:
+            return  # no held-out prompts: nothing to report
+        value = float(sums[0] / sums[1])
         if self.logger is not None:
             self.logger.log_metrics({"val/reward": value}, step=0)
         rank_zero_info(f"val/reward at step 0 (before any update): {value:.4f} on {int(sums[1])} held-out prompts")

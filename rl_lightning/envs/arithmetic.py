@@ -13,8 +13,9 @@ Operation = Literal["+", "-", "*"]
 class ArithmeticTask(Task):
     """Arithmetic on ``num_digits``-digit operands (leading digit may be 0 only when ``num_digits`` is 1).
 
-    The held-out set is ``num_heldout`` distinct problems drawn once with ``seed``; the training stream draws
-    uniformly from all other problems, so no held-out problem is ever trained on.
+    The held-out set is ``num_heldout`` distinct problems drawn once with ``seed`` (kept in draw order, so a
+    prefix of it is a random sample); the training stream draws uniformly from all other problems, so no
+    held-out problem is ever trained on.
 
     Args:
         num_digits: digits per operand (2 gives ``10..99``).
@@ -47,11 +48,11 @@ class ArithmeticTask(Task):
             raise ValueError(f"ArithmeticTask: num_heldout={num_heldout} must be below the {total} problems")
         self.seed = seed
         rng = random.Random(seed)
-        keys: set[tuple[int, str, int]] = set()
+        keys: dict[tuple[int, str, int], None] = {}  # draw order, so any prefix is a random sample
         while len(keys) < num_heldout:
-            keys.add(self._draw(rng))
-        self._heldout_keys = sorted(keys)
-        self._heldout_set = keys
+            keys[self._draw(rng)] = None
+        self._heldout_keys = list(keys)
+        self._heldout_set = set(keys)
 
     def _draw(self, rng: random.Random) -> tuple[int, str, int]:
         a, b = rng.randint(self.low, self.high), rng.randint(self.low, self.high)

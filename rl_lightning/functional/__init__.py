@@ -14,7 +14,7 @@ from rl_lightning.functional.advantages import (
     outcome_token_rewards,
 )
 from rl_lightning.functional.kl import KLKind, kl_estimate
-from rl_lightning.functional.logprobs import sampling_log_softmax, sampling_logprobs, top_p_mask
+from rl_lightning.functional.logprobs import sampling_log_softmax, sampling_logits, sampling_logprobs, top_p_mask
 from rl_lightning.functional.losses import (
     AggregationMode,
     PolicyGradientStats,
@@ -55,6 +55,7 @@ __all__ = [
     "outcome_token_rewards",
     "policy_gradient_loss",
     "sampling_log_softmax",
+    "sampling_logits",
     "sampling_logprobs",
     "top_p_mask",
 ]

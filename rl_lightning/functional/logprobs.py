@@ -2,14 +2,23 @@
 
 The sampler draws from ``softmax(truncate_top_p(logits / temperature))``; the learner must score tokens under
 the same distribution, so both call ``sampling_logprobs`` (design contract: on-policy, recomputed log-probs
-equal the recorded ones). Work is chunked over rows so at most ``chunk_size`` rows of ``[T, V]`` float32
-temporaries are alive at once.
+equal the recorded ones). ``sampling_logprobs`` works on ``chunk_size`` positions at a time and never saves a
+``[B, T, V]`` (log-)softmax for backward, so its peak is the logits, their gradient and ``[chunk_size, V]``
+temporaries (``experiments/bench_logprob_memory.py`` measures it against the naive ``log_softmax().gather()``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import Tensor
+
+DEFAULT_CHUNK_POSITIONS = 256
+"""Default ``chunk_size`` of ``sampling_logprobs``, in positions. Peak memory is about the logits plus their
+gradient plus two or three ``[chunk_size, V]`` float32 temporaries: at V = 49,152 each is 48 MiB (vs 192 MiB at
+1024, which measured 0.75 of a ``[B, T, V]`` float32 copy more than 256 at B = 4, T = 512), while 256 × V elements
+per kernel keep the per-chunk overhead negligible, on GPU too."""
 
 
 def top_p_mask(scaled_logits: Tensor, top_p: float) -> Tensor:
@@ -20,7 +29,8 @@ def top_p_mask(scaled_logits: Tensor, top_p: float) -> Tensor:
     """
     if top_p >= 1.0:
         return torch.ones_like(scaled_logits, dtype=torch.bool)
-    sorted_logits, order = torch.sort(scaled_logits, dim=-1, descending=True)
+    # stable: ties break the same way in the sampler, in the learner and in a backward recomputation
+    sorted_logits, order = torch.sort(scaled_logits, dim=-1, descending=True, stable=True)
     probs = torch.softmax(sorted_logits, dim=-1)
     mass_before = torch.cumsum(probs, dim=-1) - probs
     keep_sorted = mass_before < top_p
@@ -28,9 +38,10 @@ def top_p_mask(scaled_logits: Tensor, top_p: float) -> Tensor:
     return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
 
 
-def sampling_log_softmax(logits: Tensor, temperature: float = 1.0, top_p: float = 1.0,
-                         keep: Tensor | None = None) -> Tensor:
-    """Log-probabilities of the sampling distribution: ``log_softmax`` of temperature-scaled, top-p-truncated logits.
+def sampling_logits(logits: Tensor, temperature: float = 1.0, top_p: float = 1.0,
+                    keep: Tensor | None = None) -> Tensor:
+    """Temperature-scaled, top-p-truncated float32 logits (``-inf`` outside the nucleus): the sampling
+    distribution is ``softmax`` of these.
 
     Args:
         logits: ``[..., V]`` raw logits.
@@ -45,7 +56,138 @@ def sampling_log_softmax(logits: Tensor, temperature: float = 1.0, top_p: float 
         if keep is not None:
             support = support.scatter(-1, keep.unsqueeze(-1), True)
         scaled = scaled.masked_fill(~support, float("-inf"))
-    return torch.log_softmax(scaled, dim=-1)
+    return scaled
+
+
+def sampling_log_softmax(logits: Tensor, temperature: float = 1.0, top_p: float = 1.0,
+                         keep: Tensor | None = None) -> Tensor:
+    """Log-probabilities of the sampling distribution: ``log_softmax(sampling_logits(...))``."""
+    return torch.log_softmax(sampling_logits(logits, temperature, top_p, keep), dim=-1)
+
+
+def _position_chunks(batch: int, width: int, chunk_size: int) -> Iterator[tuple]:
+    """Index tuples into ``[B, T, ...]`` covering every position once, at most ``chunk_size`` positions each.
+
+    Chunks are whole rows (``logits[r0:r1]``) when ``chunk_size >= T``, else slices of one row
+    (``logits[b, t0:t1]``): both are views, so no ``[B*T, V]`` flattened copy of (possibly non-contiguous) logits
+    is ever made.
+    """
+    if batch == 0 or width == 0:
+        return
+    if chunk_size >= width:
+        rows = chunk_size // width
+        for r in range(0, batch, rows):
+            yield (slice(r, r + rows),)
+    else:
+        for b in range(batch):
+            for t in range(0, width, chunk_size):
+                yield (b, slice(t, t + chunk_size))
+
+
+def _chunk_values(logits: Tensor, tokens: Tensor, temperature: float, top_p: float,
+                  with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+    """``(logprobs, entropy or None)`` of one chunk, without autograd (in place on the chunk's temporaries).
+
+    ``log_softmax`` of the chunk is the sampler's own kernel (``generation`` scores its draws with
+    ``log_softmax(sampling_logits(...))``), so on-policy the recomputed log-probs match the recorded ones as
+    closely as the logits do; it is a ``[chunk, V]`` temporary, never a ``[B, T, V]`` one.
+    """
+    logp = torch.log_softmax(sampling_logits(logits, temperature, top_p, tokens), dim=-1)  # -inf off the support
+    lp = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    ent = None
+    if with_entropy:
+        p = logp.exp()
+        ent = p.mul_(logp.masked_fill_(torch.isneginf(logp), 0.0)).sum(-1).neg_()  # 0·(-inf) → 0, not NaN
+    return lp, ent
+
+
+def _chunk_values_autograd(logits: Tensor, tokens: Tensor, temperature: float, top_p: float,
+                           with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+    """``(logprobs, entropy or None)`` of one chunk with out-of-place, differentiable ops (double backward)."""
+    logp = torch.log_softmax(sampling_logits(logits, temperature, top_p, tokens), dim=-1)
+    lp = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    if not with_entropy:
+        return lp, None
+    return lp, -(logp.exp() * logp.masked_fill(torch.isneginf(logp), 0.0)).sum(-1)
+
+
+class _SamplingLogprobs(torch.autograd.Function):
+    """Chunked log-probs (and entropy) whose backward recomputes each chunk's softmax.
+
+    Autograd keeps only the logits (the input, alive anyway), the token ids and the ``[B, T]`` entropy: no
+    ``[B, T, V]`` (log-)softmax is saved. The backward allocates the one ``[B, T, V]`` logits gradient and fills
+    it chunk by chunk with the closed form (``s`` = scaled logits, ``ℓ = log_softmax(s)``, ``p = exp ℓ``, ``H``
+    the entropy, ``g``/``h`` the incoming gradients of the log-prob/entropy)::
+
+        ∂L/∂s_v = g · (1[v = token] - p_v) - h · p_v (ℓ_v + H),    ∂s/∂logits = 1/τ on the support, 0 off
+
+    Under ``create_graph=True`` it recomputes each chunk with differentiable ops instead, so double backward
+    (e.g. Fisher-vector products) still works.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, tokens: Tensor, temperature: float, top_p: float, chunk_size: int,
+                with_entropy: bool):  # noqa: ANN205
+        lp, ent = _chunked_values(logits, tokens, temperature, top_p, chunk_size, with_entropy)
+        ctx.set_materialize_grads(False)
+        ctx.settings = (temperature, top_p, chunk_size, with_entropy)
+        ctx.save_for_backward(logits, tokens, ent)
+        return (lp, ent) if with_entropy else lp
+
+    @staticmethod
+    def backward(ctx, grad_lp: Tensor | None, grad_ent: Tensor | None = None):  # noqa: ANN205
+        logits, tokens, ent = ctx.saved_tensors
+        temperature, top_p, chunk_size, with_entropy = ctx.settings
+        none = (None,) * 5
+        if grad_lp is None and grad_ent is None:
+            return (None, *none)
+        batch, width = tokens.shape
+        if torch.is_grad_enabled():  # create_graph=True: differentiable recomputation, chunk by chunk
+            grad = torch.zeros_like(logits)
+            for idx in _position_chunks(batch, width, chunk_size):
+                chunk = logits[idx]
+                lp, e = _chunk_values_autograd(chunk, tokens[idx], temperature, top_p, with_entropy)
+                outs, grads = [], []
+                if grad_lp is not None:
+                    outs.append(lp), grads.append(grad_lp[idx])
+                if grad_ent is not None:
+                    outs.append(e), grads.append(grad_ent[idx])
+                grad[idx] = torch.autograd.grad(outs, chunk, grads, create_graph=True)[0]
+            return (grad, *none)
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        for idx in _position_chunks(batch, width, chunk_size):
+            logp = torch.log_softmax(sampling_logits(logits[idx], temperature, top_p, tokens[idx]), dim=-1)
+            p = logp.exp()
+            if grad_ent is not None:  # -p (g + h (ℓ + H)), with ℓ + H := 0 off the support (p = 0 there)
+                inner = logp.add_(ent[idx].unsqueeze(-1))
+                inner = inner.masked_fill_(torch.isneginf(inner), 0.0).mul_(grad_ent[idx].unsqueeze(-1))
+                if grad_lp is not None:
+                    inner.add_(grad_lp[idx].unsqueeze(-1))
+                g = inner.mul_(p).neg_()
+            else:
+                g = p.mul_(grad_lp[idx].unsqueeze(-1)).neg_()
+            del logp, p
+            if grad_lp is not None:
+                g.scatter_add_(-1, tokens[idx].unsqueeze(-1), grad_lp[idx].unsqueeze(-1))
+            if temperature != 1.0:
+                g.div_(temperature)
+            grad[idx] = g
+            del g
+        return (grad, *none)
+
+
+def _chunked_values(logits: Tensor, tokens: Tensor, temperature: float, top_p: float, chunk_size: int,
+                    with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+    """``_chunk_values`` over all positions, written into ``[B, T]`` outputs (no autograd)."""
+    batch, width = tokens.shape
+    lp = torch.empty(batch, width, dtype=torch.float32, device=logits.device)
+    ent = torch.empty_like(lp) if with_entropy else None
+    with torch.no_grad():
+        for idx in _position_chunks(batch, width, chunk_size):
+            lp[idx], e = _chunk_values(logits[idx], tokens[idx], temperature, top_p, with_entropy)
+            if with_entropy:
+                ent[idx] = e
+    return lp, ent
 
 
 def sampling_logprobs(
@@ -53,29 +195,40 @@ def sampling_logprobs(
     tokens: Tensor,
     temperature: float = 1.0,
     top_p: float = 1.0,
-    chunk_size: int = 16,
+    chunk_size: int = DEFAULT_CHUNK_POSITIONS,
     with_entropy: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
-    """Log-prob of ``tokens`` (and optionally the entropy) under the sampling distribution, chunked over rows.
+    """Log-prob of ``tokens`` (and optionally the entropy) under the sampling distribution, chunked over positions.
+
+    Per position, with ``s = sampling_logits(logits, temperature, top_p, keep=tokens)`` and ``ℓ = log_softmax(s)``
+    (the sampler's computation)::
+
+        logprob = ℓ[token]          entropy = -Σ_v exp(ℓ_v) ℓ_v   (0 · log 0 = 0 off the top-p support)
+
+    No ``[B, T, V]`` (log-)softmax is materialised: ``chunk_size`` positions are processed at a time, and when
+    ``logits`` requires grad a custom autograd function saves only ``logits`` and ``[B, T]`` statistics and
+    recomputes each chunk's softmax in backward. Peak extra memory is about one ``[B, T, V]`` gradient (in
+    ``logits``' dtype, during backward) plus a few ``[chunk_size, V]`` float32 temporaries. Values and gradients
+    equal ``log_softmax(s).gather(...)`` (and its entropy); double backward is supported.
 
     Args:
-        logits: ``[B, T, V]`` logits predicting each token of ``tokens``.
-        tokens: ``[B, T]`` token ids.
+        logits: ``[B, T, V]`` logits predicting each token of ``tokens`` (any float dtype, may be a view).
+        tokens: ``[B, T]`` token ids; they stay in the support under top-p (``keep``).
         temperature, top_p: the sampler's settings.
-        chunk_size: rows per chunk.
+        chunk_size: positions (of the ``B*T``) per chunk, not rows; chunks are ``chunk_size // T`` whole rows when
+            ``chunk_size >= T``, else pieces of one row. Small values are correct but slower (one Python-level
+            chunk each).
         with_entropy: also return the per-token entropy ``-Σ_v p_v log p_v`` (it carries the gradient).
 
     Returns:
-        ``(logprobs [B, T], entropy [B, T] or None)``.
+        ``(logprobs [B, T], entropy [B, T] or None)``, float32.
     """
-    out, ent = [], []
-    for start in range(0, logits.shape[0], chunk_size):
-        chunk = logits[start:start + chunk_size]
-        tok = tokens[start:start + chunk_size]
-        logp_all = sampling_log_softmax(chunk, temperature, top_p, keep=tok)  # [b, T, V]
-        out.append(logp_all.gather(-1, tok.unsqueeze(-1)).squeeze(-1))
-        if with_entropy:  # differentiable (entropy bonuses); callers detach it for metrics
-            p = logp_all.exp()
-            ent.append(-(p * logp_all.masked_fill(p == 0, 0.0)).sum(-1))
-        del logp_all
-    return torch.cat(out), (torch.cat(ent) if with_entropy else None)
+    if chunk_size < 1:
+        raise ValueError(f"sampling_logprobs: chunk_size must be >= 1, got {chunk_size}")
+    if logits.shape[:-1] != tokens.shape or logits.dim() != 3:
+        raise ValueError(f"sampling_logprobs: logits [B, T, V] and tokens [B, T] expected, got "
+                         f"{tuple(logits.shape)} and {tuple(tokens.shape)}")
+    if torch.is_grad_enabled() and logits.requires_grad:
+        out = _SamplingLogprobs.apply(logits, tokens, temperature, top_p, chunk_size, with_entropy)
+        return out if with_entropy else (out, None)
+    return _chunked_values(logits, tokens, temperature, top_p, chunk_size, with_entropy)

@@ -2,6 +2,17 @@
 
 from rl_lightning.rollout.batch import PromptBatch, RolloutBatch
 from rl_lightning.rollout.datamodule import RolloutDataModule
+from rl_lightning.rollout.engines import HFGenerateEngine, KVCacheEngine, RolloutEngine
 from rl_lightning.rollout.generation import Generation, position_ids_from_mask, sample
 
-__all__ = ["Generation", "PromptBatch", "RolloutBatch", "RolloutDataModule", "position_ids_from_mask", "sample"]
+__all__ = [
+    "Generation",
+    "HFGenerateEngine",
+    "KVCacheEngine",
+    "PromptBatch",
+    "RolloutBatch",
+    "RolloutDataModule",
+    "RolloutEngine",
+    "position_ids_from_mask",
+    "sample",
+]

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from rl_lightning.envs.base import Prompt, RewardFunction, Task, score
 from rl_lightning.rollout.batch import PromptBatch, RolloutBatch
-from rl_lightning.rollout.generation import sample
+from rl_lightning.rollout.engines import KVCacheEngine, RolloutEngine
 
 
 class _TrainStream(IterableDataset):
@@ -56,6 +56,8 @@ class RolloutDataModule(LightningDataModule):
         add_bos: prepend the tokenizer's BOS token to every prompt (when it has one).
         use_chat_template: wrap each prompt as a user message with the tokenizer's chat template.
         seed: seeds sampling; step ``k`` on rank ``r`` draws from a generator seeded by ``(seed, r, k)``.
+        engine: the sampling engine (``None``: ``KVCacheEngine``, the library's KV-cache loop;
+            ``HFGenerateEngine`` uses Hugging Face ``generate`` as a reference).
     """
 
     def __init__(
@@ -73,6 +75,7 @@ class RolloutDataModule(LightningDataModule):
         add_bos: bool = True,
         use_chat_template: bool = False,
         seed: int = 0,
+        engine: RolloutEngine | None = None,
     ) -> None:
         super().__init__()
         checks = {
@@ -97,6 +100,7 @@ class RolloutDataModule(LightningDataModule):
         self.add_bos = add_bos
         self.use_chat_template = use_chat_template
         self.seed = seed
+        self.engine = engine if engine is not None else KVCacheEngine()
         self.cursor = 0  # training steps drawn so far (the stream position)
         self.generator: torch.Generator | None = None
         self._sampler: nn.Module | None = None  # the lagged copy when sampler_sync_interval > 1
@@ -224,7 +228,7 @@ class RolloutDataModule(LightningDataModule):
         model = self.sampler() if train else module.policy
         was_training = model.training
         model.eval()
-        gen = sample(
+        gen = self.engine.generate(
             model, prompt_ids, prompt_mask, self.max_new_tokens,
             eos_token_id=module.tokenizer.eos_token_id, pad_token_id=module.tokenizer.pad_token_id,
             temperature=self.temperature, top_p=self.top_p, greedy=not train,

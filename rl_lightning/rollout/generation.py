@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from rl_lightning.functional.logprobs import sampling_log_softmax
+from rl_lightning.functional.logprobs import sampling_logits
 
 
 @dataclass
@@ -71,11 +71,12 @@ def sample(
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     ids, logps, masks = [], [], []
     for step in range(max_new_tokens):
-        logp_all = sampling_log_softmax(logits, temperature, top_p)  # [N, V]
+        scaled = sampling_logits(logits, temperature, top_p)  # [N, V]
+        logp_all = torch.log_softmax(scaled, dim=-1)
         if greedy:
             token = logits.argmax(dim=-1)
-        else:
-            token = torch.multinomial(logp_all.exp(), 1, generator=generator).squeeze(-1)
+        else:  # softmax, not exp(log_softmax): the same draw as Hugging Face's sampler for the same RNG state
+            token = torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=generator).squeeze(-1)
         logp = logp_all.gather(-1, token.unsqueeze(-1)).squeeze(-1)
         active = ~finished
         token = torch.where(active, token, torch.full_like(token, pad_token_id))

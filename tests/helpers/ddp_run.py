@@ -1,6 +1,12 @@
-"""Run GRPO for two steps under 2-process CPU DDP (gloo) and dump what each rank saw and ended with.
+"""Run a method for two steps under 2-process CPU DDP (gloo) and dump what each rank saw and ended with.
 
 Usage: python tests/helpers/ddp_run.py OUT_DIR [grpo|ppo-separate]   (plain ``ddp`` relaunches this script)
+
+Per rank it writes ``rank{r}.json`` (prompts drawn, logged losses, final weights) and, for every step ``s``,
+``step{s}_rank{r}.pt``: the rollout batch's tensors, the policy's weights before the update (rank 0 only)
+and the DDP-averaged gradient that reached the optimiser. For ``grpo`` the loss aggregation is
+``seq_mean_token_mean`` at step 0 and ``token_mean`` at step 1, and gradients are not clipped, so the test can
+recompute each step's gradient in one process holding both ranks' rows.
 """
 
 from __future__ import annotations
@@ -8,6 +14,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from lightning.pytorch import Callback, Trainer
@@ -15,18 +22,60 @@ from lightning.pytorch import Callback, Trainer
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from rl_lightning.algorithms import GRPO, PPO  # noqa: E402
+from rl_lightning.envs.base import Prompt, RewardFunction  # noqa: E402
+from rl_lightning.rollout.batch import RolloutBatch  # noqa: E402
 from tests.conftest import tiny_datamodule  # noqa: E402
+
+#: loss aggregation of the ``grpo`` run at each step (token_mean is where a per-rank count would be wrong)
+GRPO_AGGREGATION = ("seq_mean_token_mean", "token_mean")
+BATCH_TENSORS = ("input_ids", "attention_mask", "loss_mask", "sampler_logprobs", "rewards", "prompt_index",
+                 "truncated")
+
+
+class GradedMatch(RewardFunction):
+    """A dense reward (right characters in place, minus a length penalty): groups almost never tie, so the
+    advantages, and the gradients the test compares, are not zero."""
+
+    def __call__(self, prompt: Prompt, response: str) -> float:
+        got, want = response.strip(), (prompt.answer or "").strip()
+        return sum(a == b for a, b in zip(got, want)) / max(len(want), 1) - 0.25 * abs(len(got) - len(want))
+
+
+def batch_record(batch: RolloutBatch) -> dict[str, Any]:
+    record: dict[str, Any] = {name: getattr(batch, name).detach().cpu().clone() for name in BATCH_TENSORS}
+    record.update(prompt_length=batch.prompt_length, group_size=batch.group_size,
+                  temperature=batch.temperature, top_p=batch.top_p)
+    return record
 
 
 class Dump(Callback):
-    def __init__(self, out: Path) -> None:
+    def __init__(self, out: Path, aggregation: tuple[str, ...] | None = None) -> None:
         self.out = out
+        self.aggregation = aggregation
         self.prompt_index: list[list[int]] = []
         self.loss: list[float] = []
+        self.step: dict[str, Any] = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+        if self.aggregation is not None:
+            pl_module.loss_aggregation = self.aggregation[trainer.global_step]
+        self.step = {
+            "aggregation": pl_module.loss_aggregation,
+            "batch": batch_record(batch),
+            "state": ({k: v.detach().cpu().clone() for k, v in pl_module.policy.state_dict().items()}
+                      if trainer.global_rank == 0 else None),
+        }
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:  # noqa: ANN001
+        # manual optimisation: called once per rollout here (1 iteration, 1 minibatch), after DDP's all-reduce
+        self.step["grads"] = {n: p.grad.detach().cpu().clone() for n, p in pl_module.named_parameters()
+                              if p.grad is not None}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
         self.prompt_index.append(sorted(set(batch.prompt_index.tolist())))
         self.loss.append(float(trainer.callback_metrics["train/loss"]))
+        self.step["logged_loss"] = self.loss[-1]  # averaged over ranks by log_training_metrics
+        torch.save(self.step, self.out / f"step{trainer.global_step - 1}_rank{trainer.global_rank}.pt")
 
     def on_train_end(self, trainer, pl_module) -> None:  # noqa: ANN001
         flat = torch.cat([p.detach().flatten() for p in pl_module.parameters()])
@@ -48,16 +97,20 @@ def main() -> None:
     torch.set_num_threads(1)
     method = sys.argv[2] if len(sys.argv) > 2 else "grpo"
     optimizer = lambda p: torch.optim.AdamW(p, lr=1e-3)  # noqa: E731
-    if method == "grpo":
-        module = GRPO(model_name_or_path="embedded:arithmetic", optimizer=optimizer)
+    if method == "grpo":  # unclipped, so the gradient the optimiser sees is the raw DDP average
+        module = GRPO(model_name_or_path="embedded:arithmetic", optimizer=optimizer, max_grad_norm=None)
+        dump = Dump(out, GRPO_AGGREGATION)
+        data = tiny_datamodule(prompts_per_step=4, reward_fn=GradedMatch())
     else:  # every parameter of a separate critic must receive a gradient, or plain DDP refuses the step
         module = PPO(model_name_or_path="embedded:arithmetic", critic="separate", optimizer=optimizer)
+        dump = Dump(out)
+        data = tiny_datamodule(prompts_per_step=4)
     trainer = Trainer(
         accelerator="cpu", devices=2, strategy="ddp", max_steps=2, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-        default_root_dir=str(out), callbacks=[Dump(out)],
+        default_root_dir=str(out), callbacks=[dump],
     )
-    trainer.fit(module, datamodule=tiny_datamodule(prompts_per_step=4))
+    trainer.fit(module, datamodule=data)
 
 
 if __name__ == "__main__":

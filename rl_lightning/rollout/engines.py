@@ -1,0 +1,76 @@
+"""Rollout engines: how the data module turns prompts into sampled tokens and their sampler log-probs.
+
+* ``KVCacheEngine`` (default): the library's own loop (``generation.sample``): one forward per new token on a
+  KV cache, log-probs taken from the sampling logits themselves (no second pass), rows stopped at EOS.
+* ``HFGenerateEngine``: Hugging Face ``model.generate`` as a reference; the log-probs are recomputed from
+  the raw logits ``generate`` returns, under the same sampling distribution.
+
+Both record log-probs of ``softmax(top_p(logits / temperature))``. For the same RNG state they draw the same
+tokens (a test checks it), so either can serve as the other's reference. Plug one in with
+``data.init_args.engine: {class_path: rl_lightning.rollout.HFGenerateEngine}``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+from torch import Tensor, nn
+from transformers import GenerationConfig
+
+from rl_lightning.functional.logprobs import sampling_log_softmax
+from rl_lightning.rollout.generation import Generation, sample
+
+
+class RolloutEngine(ABC):
+    """Generates up to ``max_new_tokens`` per row of a left-padded prompt batch (``[N, P]`` ids and mask).
+
+    ``generator=None`` draws from torch's global RNG; a generator makes the draw reproducible.
+    """
+
+    @abstractmethod
+    def generate(
+        self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, max_new_tokens: int, eos_token_id: int,
+        pad_token_id: int, temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
+        generator: torch.Generator | None = None,
+    ) -> Generation: ...
+
+
+class KVCacheEngine(RolloutEngine):
+    """The library's sampling loop (``rl_lightning.rollout.generation.sample``)."""
+
+    def generate(self, model, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id,  # noqa: ANN001
+                 temperature=1.0, top_p=1.0, greedy=False, generator=None) -> Generation:
+        return sample(model, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id,
+                      temperature=temperature, top_p=top_p, greedy=greedy, generator=generator)
+
+
+class HFGenerateEngine(RolloutEngine):
+    """``model.generate`` (sampling with temperature/top-p only: top-k, penalties and other processors off).
+
+    Hugging Face samples from the global RNG; with a ``generator`` the draw runs under a forked RNG seeded
+    from it, so results stay reproducible without touching the caller's global RNG.
+    """
+
+    @torch.no_grad()
+    def generate(self, model, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id,  # noqa: ANN001
+                 temperature=1.0, top_p=1.0, greedy=False, generator=None) -> Generation:
+        config = GenerationConfig(
+            do_sample=not greedy, temperature=temperature if not greedy else None,
+            top_p=top_p if not greedy else None, top_k=None, max_new_tokens=max_new_tokens,
+            eos_token_id=eos_token_id, pad_token_id=pad_token_id, output_logits=True,
+            return_dict_in_generate=True,
+        )
+        devices = [input_ids.device] if input_ids.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, enabled=generator is not None):
+            if generator is not None:
+                torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device)))
+            out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+        tokens = out.sequences[:, input_ids.shape[1]:]  # [N, T]
+        logits = torch.stack(out.logits, dim=1)  # raw logits, [N, T, V]
+        logprobs = sampling_log_softmax(logits, temperature, top_p).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        is_eos = tokens == eos_token_id
+        before_eos = (is_eos.long().cumsum(dim=1) - is_eos.long()) == 0  # up to and including the first EOS
+        truncated = ~is_eos.any(dim=1)
+        mask = before_eos.long()
+        return Generation(tokens.masked_fill(~before_eos, pad_token_id), logprobs * mask, mask, truncated)
