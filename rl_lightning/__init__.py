@@ -4,7 +4,7 @@ Importing the package registers the algorithms and the data module, so configs a
 name them by their short class names (``--model GRPO``).
 """
 
-from rl_lightning.algorithms import GRPO, PPO, REINFORCE, RLOO, PolicyGradient, RLModule
+from rl_lightning.algorithms import GRPO, PPO, REINFORCE, RLOO, TRPO, PolicyGradient, RLModule
 from rl_lightning.callbacks import KLRegularizer, RolloutSamples
 from rl_lightning.envs import ArithmeticTask, ExactMatchReward, JsonlTask
 from rl_lightning.rollout import RolloutBatch, RolloutDataModule
@@ -20,6 +20,7 @@ __all__ = [
     "PolicyGradient",
     "REINFORCE",
     "RLOO",
+    "TRPO",
     "KLRegularizer",
     "RLModule",
     "RolloutBatch",

@@ -6,6 +6,7 @@ from rl_lightning.algorithms.pg import PolicyGradient
 from rl_lightning.algorithms.ppo import PPO
 from rl_lightning.algorithms.reinforce import REINFORCE
 from rl_lightning.algorithms.rloo import RLOO
+from rl_lightning.algorithms.trpo import TRPO
 
-__all__ = ["GRPO", "PPO", "REINFORCE", "RLOO", "LossTerm", "NonFiniteLossError", "PolicyGradient", "PolicyOutput",
+__all__ = ["GRPO", "PPO", "REINFORCE", "RLOO", "TRPO", "LossTerm", "NonFiniteLossError", "PolicyGradient", "PolicyOutput",
            "RLModule"]

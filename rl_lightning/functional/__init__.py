@@ -29,6 +29,13 @@ from rl_lightning.functional.losses import (
     ValueLossStats,
 )
 from rl_lightning.functional.masked import masked_mean, masked_sum, masked_whiten
+from rl_lightning.functional.trpo import (
+    categorical_kl,
+    conjugate_gradient,
+    fisher_vector_product,
+    importance_surrogate,
+    trust_region_scale,
+)
 
 __all__ = [
     "AggregationMode",
@@ -40,13 +47,17 @@ __all__ = [
     "aggregation_weights",
     "baseline_advantages",
     "batch_centered_advantages",
+    "categorical_kl",
     "clipped_policy_loss",
     "clipped_surrogate",
     "clipped_value_loss",
+    "conjugate_gradient",
     "ema_update",
     "explained_variance",
+    "fisher_vector_product",
     "gae",
     "group_advantages",
+    "importance_surrogate",
     "kl_estimate",
     "leave_one_out_advantages",
     "masked_mean",
@@ -58,4 +69,5 @@ __all__ = [
     "sampling_logits",
     "sampling_logprobs",
     "top_p_mask",
+    "trust_region_scale",
 ]

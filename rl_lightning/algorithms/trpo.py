@@ -1,0 +1,343 @@
+"""TRPO: a natural-gradient step inside a KL trust region (spec 003, §4 TRPO; Schulman et al. 2015,
+arXiv 1502.05477).
+
+Per rollout batch, with θ_old the weights at the start of the update::
+
+    S(θ) = Σ_{i,t} w_{i,t} ρ_{i,t} A_{i,t},  ρ = π_θ / π_old     (π_old here: the sampler's recorded log-probs)
+    g = ∇S(θ_old)
+    F v = ∇²KL̄(π_old ‖ π_θ) v + damping · v     (KL̄: token-mean full-vocabulary KL over generated tokens,
+                                                 π_old here: the policy's own distribution at θ_old)
+    x ≈ F⁻¹ g (conjugate gradient);  full step s = sqrt(2δ / xᵀFx) · x
+    θ_new = θ_old + c^k s for the first k = 0..backtrack_iters with S(θ_new) > S(θ_old) and KL̄ <= δ, else θ_old
+
+Not PPO: there is no clipping, no learning rate and one parameter change per rollout batch. The change goes
+through a plain SGD(lr=1) optimiser with ``grad = -step`` so Lightning counts it as the batch's one global step.
+Not validated at scale: F⁻¹g needs the ``[N, T, V]`` full-vocabulary log-probs and a double backward through
+the whole policy, which is cheap for the embedded model and expensive for real LLMs (single process only).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Literal
+
+import torch
+from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.utils import parameters_to_vector
+from typing_extensions import override
+
+from rl_lightning.algorithms.base import NonFiniteLossError, PolicyOutput, RLModule
+from rl_lightning.functional import (
+    clipped_value_loss,
+    explained_variance,
+    gae,
+    group_advantages,
+    masked_mean,
+    masked_whiten,
+    outcome_token_rewards,
+    sampling_log_softmax,
+)
+from rl_lightning.functional.trpo import (
+    categorical_kl,
+    conjugate_gradient,
+    fisher_vector_product,
+    importance_surrogate,
+    trust_region_scale,
+)
+from rl_lightning.models.value import CriticMode, build_critic
+from rl_lightning.rollout.batch import RolloutBatch
+from rl_lightning.rollout.generation import position_ids_from_mask
+
+AdvantageEstimator = Literal["group", "gae"]
+
+
+class TRPO(RLModule):
+    """Trust Region Policy Optimization.
+
+    Args:
+        delta: trust-region radius δ, the largest accepted mean KL(π_old ‖ π_new) per token (nats); > 0.
+        damping: multiple of the identity added to the Fisher matrix (keeps conjugate gradient well posed).
+        cg_iters: conjugate-gradient iterations (Fisher-vector products) per step.
+        backtrack_iters: line-search shrinkings after the full step (``backtrack_iters + 1`` trials in all).
+        backtrack_coeff: step fraction factor c in ``(0, 1)``: trial k uses ``c^k`` of the full step.
+        fisher_subsample: estimate the Fisher matrix on every k-th row of the batch only (OpenAI baselines' TRPO
+            uses 5): each conjugate-gradient product costs about 1/k as much; ``g`` and the line search (surrogate
+            and KL) always use the whole batch. 1 = the exact batch Fisher.
+        advantage_estimator: ``group`` -- GRPO's ``(R - μ_G) / (σ_G + std_eps)`` (``functional.group_advantages``);
+            ``gae`` -- per-token GAE over a critic's values (as in PPO), the critic fitted by Adam on the value loss.
+        scale_rewards: with ``group``, divide by σ_G; ``False`` gives ``R - μ_G``.
+        std_eps: with ``group``, added to σ_G.
+        critic: with ``gae``, ``shared`` -- a value head on the policy's (detached) hidden states, so only the
+            trust-region step moves the policy; ``separate`` -- its own network from ``critic_model_name_or_path``.
+        critic_model_name_or_path: checkpoint of the separate critic (``None``: ``model_name_or_path``).
+        critic_lr: Adam learning rate of the critic.
+        critic_steps: Adam steps on the value loss per rollout batch (before the policy step).
+        gamma: with ``gae``, discount γ.
+        lam: with ``gae``, λ.
+        whiten_advantages: with ``gae``, normalise the advantages over the batch's generated tokens.
+        **kwargs: ``RLModule`` arguments (model, dtype, loss_aggregation, ...). The policy ``optimizer``,
+            ``lr_scheduler``, ``max_grad_norm`` and ``micro_batch_size`` play no part (the step length is set by
+            δ); ``num_iterations`` and ``num_minibatches`` must be 1.
+
+    Logs ``train/kl_after_step``, ``train/line_search_steps``, ``train/step_accepted``,
+    ``train/surrogate_improvement``, ``train/expected_improvement``, ``train/grad_norm`` (of g), and with ``gae``
+    ``train/value_loss`` and ``train/explained_variance``.
+    """
+
+    def __init__(
+        self,
+        delta: float = 0.01,
+        damping: float = 0.1,
+        cg_iters: int = 10,
+        backtrack_iters: int = 10,
+        backtrack_coeff: float = 0.5,
+        fisher_subsample: int = 1,
+        advantage_estimator: AdvantageEstimator = "group",
+        scale_rewards: bool = True,
+        std_eps: float = 1e-6,
+        critic: CriticMode = "shared",
+        critic_model_name_or_path: str | None = None,
+        critic_lr: float = 1e-3,
+        critic_steps: int = 4,
+        gamma: float = 1.0,
+        lam: float = 0.95,
+        whiten_advantages: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        checks = [  # (field, valid, rule, value)
+            ("delta", delta > 0, "must be > 0", delta),
+            ("damping", damping >= 0, "must be >= 0", damping),
+            ("cg_iters", cg_iters >= 1, "must be >= 1", cg_iters),
+            ("backtrack_iters", backtrack_iters >= 0, "must be >= 0", backtrack_iters),
+            ("backtrack_coeff", 0 < backtrack_coeff < 1, "must be in (0, 1)", backtrack_coeff),
+            ("fisher_subsample", fisher_subsample >= 1, "must be >= 1", fisher_subsample),
+            ("advantage_estimator", advantage_estimator in ("group", "gae"), "must be 'group' or 'gae'",
+             advantage_estimator),
+            ("critic_lr", critic_lr > 0, "must be > 0", critic_lr),
+            ("critic_steps", critic_steps >= 1, "must be >= 1", critic_steps),
+            ("gamma", 0 <= gamma <= 1, "must be in [0, 1]", gamma),
+            ("lam", 0 <= lam <= 1, "must be in [0, 1]", lam),
+            ("num_iterations", self.num_iterations == 1, "must be 1 (one trust-region step per rollout batch)",
+             self.num_iterations),
+            ("num_minibatches", self.num_minibatches == 1, "must be 1 (one trust-region step per rollout batch)",
+             self.num_minibatches),
+            ("lr_scheduler", self.lr_scheduler_factory is None, "must be null (TRPO has no learning rate)",
+             self.lr_scheduler_factory),
+        ]
+        for name, ok, rule, value in checks:
+            if not ok:
+                raise ValueError(f"TRPO: {name} {rule}, got {value!r}")
+        self.delta, self.damping = delta, damping
+        self.cg_iters, self.backtrack_iters, self.backtrack_coeff = cg_iters, backtrack_iters, backtrack_coeff
+        self.fisher_subsample = fisher_subsample
+        self.advantage_estimator = advantage_estimator
+        self.scale_rewards, self.std_eps = scale_rewards, std_eps
+        self.critic_lr, self.critic_steps = critic_lr, critic_steps
+        self.gamma, self.lam, self.whiten_advantages = gamma, lam, whiten_advantages
+        self.critic = None
+        if advantage_estimator == "gae":
+            checkpoint = critic_model_name_or_path or self.hparams.model_name_or_path
+            self.critic = build_critic(critic, self.policy, checkpoint, self.hparams.dtype)
+
+    # ------------------------------------------------------------------ setup
+    @override
+    def configure_optimizers(self) -> Any:
+        # The policy "optimiser" only applies the accepted step: grad = -step, lr = 1 -> θ += step.
+        policy = torch.optim.SGD(self.policy.parameters(), lr=1.0, momentum=0.0, weight_decay=0.0)
+        if self.critic is None:
+            return policy
+        return [policy, torch.optim.Adam(self.critic.parameters(), lr=self.critic_lr)]
+
+    @override
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.policy.parameters() if p.requires_grad]
+
+    @override
+    def check_datamodule(self, datamodule: Any) -> None:
+        group_size = getattr(datamodule, "group_size", None)
+        if self.advantage_estimator == "group" and group_size is not None and group_size < 2:
+            raise ValueError(f"TRPO(advantage_estimator='group') needs data.group_size >= 2, got {group_size}")
+        if self.trainer.world_size > 1:
+            raise ValueError(f"TRPO runs in a single process (the CG step is not distributed), got "
+                             f"world_size={self.trainer.world_size}")
+
+    # ------------------------------------------------------------------ hooks
+    @override
+    def compute_advantages(self, batch: RolloutBatch) -> Tensor:
+        if self.critic is None:
+            return group_advantages(batch.rewards, batch.group_size, scale=self.scale_rewards, eps=self.std_eps)
+        with torch.no_grad():
+            values = self.critic_values(batch)  # V_old, [N, T]
+        rewards = outcome_token_rewards(batch.rewards.float(), batch.loss_mask)
+        advantages, returns = gae(rewards, values, batch.loss_mask, self.gamma, self.lam)
+        batch.values, batch.returns = values, returns
+        if self.whiten_advantages:
+            advantages = masked_whiten(advantages, batch.loss_mask)
+        return advantages
+
+    @override
+    def policy_loss(
+        self, batch: RolloutBatch, out: PolicyOutput, advantages: Tensor, weights: Tensor
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """``-S(θ)``: minus the importance-weighted surrogate (TRPO maximises ``S``)."""
+        surrogate = importance_surrogate(out.logprobs, batch.sampler_logprobs, advantages, batch.loss_mask, weights)
+        return -surrogate, {}
+
+    def accept_step(self, improvement: Tensor, kl: Tensor) -> bool:
+        """The line-search test of one trial step: the surrogate improves and the measured KL is within δ."""
+        return bool(torch.isfinite(improvement) and torch.isfinite(kl) and improvement > 0 and kl <= self.delta)
+
+    # ------------------------------------------------------------------ pieces of the step
+    def vocab_logprobs(self, batch: RolloutBatch) -> Tensor:
+        """``[N, T, V]`` full-vocabulary log-probs of the sampling distribution (temperature, top-p) per position.
+
+        Attention runs on SDPA's math backend: the fused kernels have no double backward, which the
+        Fisher-vector products need (every call uses it, so all measurements share one numeric path).
+        """
+        width = batch.input_ids.shape[1] - batch.prompt_length  # T
+        with sdpa_kernel(SDPBackend.MATH):
+            out = self.policy(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                              position_ids=position_ids_from_mask(batch.attention_mask), logits_to_keep=width + 1,
+                              use_cache=False)
+        logits = out.logits[:, :-1]  # [N, T, V]: position P-1+t predicts response token t
+        return sampling_log_softmax(logits, batch.temperature, batch.top_p, keep=batch.response_ids)
+
+    def objective(
+        self, batch: RolloutBatch, logp_all: Tensor, advantages: Tensor, weights: Tensor
+    ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        """``(S, logprobs [N, T], metrics)``: ``-policy_loss`` minus every callback ``LossTerm`` (e.g. a KL penalty)."""
+        mask = batch.loss_mask
+        logprobs = logp_all.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1) * mask  # [N, T]
+        loss, stats = self.policy_loss(batch, PolicyOutput(logprobs), advantages, weights)
+        for term in self._loss_terms():
+            extra, extra_stats = term.loss_term(self, batch, logprobs, weights)
+            loss = loss + extra
+            stats = {**stats, **extra_stats}
+        return -loss, logprobs, stats
+
+    def fisher_vector_product(self, batch: RolloutBatch, damping: float | None = None) -> Callable[[Tensor], Tensor]:
+        """``v -> F v + damping v`` at the current weights on ``batch`` (F: Hessian of the mean full-vocab KL)."""
+        params = self.trainable_parameters()
+        new = self.vocab_logprobs(batch)
+        kl = categorical_kl(new.detach(), new, batch.loss_mask)
+        return fisher_vector_product(kl, params, self.damping if damping is None else damping)
+
+    def critic_values(self, batch: RolloutBatch) -> Tensor:
+        """``[N, T]`` critic values (masked). In shared mode the head reads the policy's detached hidden states."""
+        hidden = None
+        if self.critic.mode == "shared":
+            with torch.no_grad():
+                hidden = self.forward_policy(batch, with_hidden=True).hidden
+        values = self.critic.values(batch.input_ids, batch.attention_mask, position_ids_from_mask(batch.attention_mask),
+                                    batch.prompt_length, hidden=hidden)
+        return values.float() * batch.loss_mask
+
+    def fit_critic(self, batch: RolloutBatch, weights: Tensor, optimizer: Any) -> dict[str, list[Tensor]]:
+        """``critic_steps`` Adam steps on ``Σ w ½ (V - R)²`` toward the GAE returns (inner steps: not counted)."""
+        stats: dict[str, list[Tensor]] = {
+            "train/explained_variance": [explained_variance(batch.values, batch.returns, batch.loss_mask)]
+        }
+        for _ in range(self.critic_steps):
+            optimizer.zero_grad()
+            loss, _ = clipped_value_loss(self.critic_values(batch), batch.values, batch.returns, batch.loss_mask,
+                                         weights, None)
+            self._check_finite(loss.detach(), "value loss", 0, 0)
+            self.manual_backward(loss)
+            optimizer.optimizer.step()  # the raw torch step: only the policy step counts as the global step
+            stats.setdefault("train/value_loss", []).append(loss.detach())
+        optimizer.zero_grad()
+        return stats
+
+    # ------------------------------------------------------------------ the update
+    @override
+    def update(self, batch: RolloutBatch, advantages: Tensor, weights: Tensor) -> dict[str, list[Tensor]]:
+        """One trust-region step on the rollout batch (see the module docstring); one global step."""
+        optimizers = self.optimizers()
+        policy_opt = optimizers[0] if isinstance(optimizers, list) else optimizers
+        stats: dict[str, list[Tensor]] = {}
+        if self.critic is not None:
+            stats.update(self.fit_critic(batch, weights, optimizers[1]))
+        params = self.trainable_parameters()
+        mask = batch.loss_mask
+
+        # π_old's full distribution (the policy at θ_old) and the surrogate with its gradient g
+        new_logp = self.vocab_logprobs(batch)  # [N, T, V], carries the graph
+        old_logp = new_logp.detach()
+        surrogate, logprobs, term_stats = self.objective(batch, new_logp, advantages, weights)
+        if not torch.isfinite(surrogate):
+            raise NonFiniteLossError(f"TRPO: non-finite surrogate ({surrogate.item()}) at step {self.global_step}; "
+                                     "the weights were not updated")
+        grads = torch.autograd.grad(surrogate, params, retain_graph=True, allow_unused=True)
+        g = torch.cat([(gr if gr is not None else torch.zeros_like(p)).reshape(-1) for gr, p in zip(grads, params)])
+
+        # natural direction x = F⁻¹ g by CG (float64), scaled to the edge of the quadratic trust region
+        if self.fisher_subsample == 1:
+            fisher_kl = categorical_kl(old_logp, new_logp, mask)
+        else:  # a forward of the sub-batch only, so that each double backward is cheaper too
+            sub = batch.select(torch.arange(0, batch.num_rows, self.fisher_subsample, device=mask.device))
+            sub_logp = self.vocab_logprobs(sub)
+            fisher_kl = categorical_kl(sub_logp.detach(), sub_logp, sub.loss_mask)
+        fvp = fisher_vector_product(fisher_kl, params, self.damping)
+        x = conjugate_gradient(fvp, g.double(), self.cg_iters)
+        scale = trust_region_scale(x, fvp(x), self.delta)
+        full_step = (scale * x).to(g.dtype)  # [D]
+        if not torch.isfinite(full_step).all():
+            raise NonFiniteLossError(f"TRPO: non-finite step at step {self.global_step}; the weights were not updated")
+
+        del fvp, fisher_kl, grads, new_logp  # free the double-backward graph before the line search
+        surrogate, logprobs = surrogate.detach(), logprobs.detach()
+        # backtracking line search on the real KL and surrogate; the weights are restored afterwards
+        theta_old = parameters_to_vector(params).detach().clone()
+        accepted: tuple[int, Tensor, Tensor, Tensor] | None = None
+        with torch.no_grad():
+            s_old = surrogate
+            for k in range(self.backtrack_iters + 1):
+                step = full_step * self.backtrack_coeff ** k
+                self._write(params, theta_old + step)
+                trial_logp = self.vocab_logprobs(batch)
+                kl = categorical_kl(old_logp, trial_logp, mask)
+                improvement = self.objective(batch, trial_logp, advantages, weights)[0] - s_old
+                if self.accept_step(improvement, kl):
+                    accepted = (k, step, kl, improvement)
+                    break
+            self._write(params, theta_old)
+
+        # apply it through Lightning: SGD(lr=1) with grad = -step, exactly one counted step per rollout batch
+        policy_opt.zero_grad()
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.grad = (-accepted[1][offset:offset + n]).view_as(p).clone() if accepted else torch.zeros_like(p)
+            offset += n
+        policy_opt.step()
+        policy_opt.zero_grad()
+
+        with torch.no_grad():
+            p_old = old_logp.exp()
+            entropy = -(p_old * old_logp.masked_fill(p_old == 0, 0.0)).sum(-1)  # [N, T]
+            zero = torch.zeros((), device=g.device)
+            stats.update({
+                "train/kl_after_step": [accepted[2] if accepted else zero],
+                "train/line_search_steps": [torch.tensor(float(accepted[0] if accepted else self.backtrack_iters + 1))],
+                "train/step_accepted": [torch.tensor(1.0 if accepted else 0.0)],
+                "train/surrogate_improvement": [accepted[3] if accepted else zero],
+                "train/expected_improvement": [(g.double() @ full_step.double()).float()],
+                "train/surrogate": [s_old],
+                "train/grad_norm": [g.norm()],
+                "train/sampler_logp_diff": [masked_mean((logprobs - batch.sampler_logprobs).abs(), mask)],
+                "train/entropy": [masked_mean(entropy, mask)],
+            })
+            for key, value in term_stats.items():
+                stats[key] = [value.detach().float()]
+        return stats
+
+    @staticmethod
+    def _write(params: list[nn.Parameter], vector: Tensor) -> None:
+        """Copy ``vector`` into ``params`` in place (keeps each parameter's own storage, unlike
+        ``vector_to_parameters``, which would make them views of one shared vector)."""
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.copy_(vector[offset:offset + n].view_as(p))
+            offset += n

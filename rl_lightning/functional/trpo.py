@@ -1,0 +1,216 @@
+"""Trust-region pieces of TRPO (spec 003, §4 TRPO; Schulman et al. 2015, "Trust Region Policy Optimization",
+arXiv 1502.05477): the surrogate, the full-vocabulary KL whose Hessian is the Fisher matrix, conjugate gradient
+and the step scale.
+
+TRPO approximately solves ``max_θ S(θ)  s.t.  KL(π_old ‖ π_θ) <= δ``: with ``g = ∇S`` and the Fisher matrix
+``F = ∇² KL`` at θ_old, the step is ``sqrt(2δ / xᵀFx) · x`` with ``x = F⁻¹ g`` found by conjugate gradient
+from Fisher-vector products only, then shrunk by a backtracking line search until the measured KL is within δ
+and the surrogate improves.
+
+Shapes: ``N`` rows, ``T`` response tokens, ``V`` vocabulary; ``D`` = number of parameters (flat vectors).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from rl_lightning.functional.masked import masked_mean
+
+
+def conjugate_gradient(
+    matvec: Callable[[Tensor], Tensor], b: Tensor, iters: int, residual_tol: float = 1e-10
+) -> Tensor:
+    """Solve ``F x = b`` for a symmetric positive-definite ``F`` given only ``v -> F v`` (spec 003, §4 TRPO;
+    Schulman et al. 2015, Appendix C).
+
+    Standard CG from ``x_0 = 0``::
+
+        r_0 = p_0 = b
+        α_k = r_kᵀr_k / p_kᵀF p_k ;  x_{k+1} = x_k + α_k p_k ;  r_{k+1} = r_k - α_k F p_k
+        β_k = r_{k+1}ᵀr_{k+1} / r_kᵀr_k ;  p_{k+1} = r_{k+1} + β_k p_k
+
+    stopping after ``iters`` products or once ``rᵀr < residual_tol``. In exact arithmetic it solves a ``D x D``
+    system in ``D`` iterations. If a direction has ``pᵀFp <= 0`` (``F`` not positive definite along it) the
+    iteration stops and returns the current ``x``.
+
+    Args:
+        matvec: ``v [D] -> F v [D]`` (same dtype as ``b``; TRPO passes Fisher-vector products).
+        b: ``[D]`` right-hand side (TRPO: the surrogate gradient ``g``).
+        iters: maximum number of iterations (>= 1).
+        residual_tol: stop when the squared residual norm falls below this.
+
+    Returns:
+        ``[D]`` the approximate solution ``x ≈ F⁻¹ b`` (dtype of ``b``; pass float64 for stability).
+
+    Example:
+        >>> F = torch.tensor([[4.0, 1.0], [1.0, 3.0]], dtype=torch.float64)
+        >>> conjugate_gradient(lambda v: F @ v, torch.tensor([1.0, 2.0], dtype=torch.float64), iters=2)
+        tensor([0.0909, 0.6364], dtype=torch.float64)   # = [1/11, 7/11] = F⁻¹ b
+    """
+    if iters < 1:
+        raise ValueError(f"conjugate_gradient: iters must be >= 1, got {iters}")
+    if b.dim() != 1:
+        raise ValueError(f"conjugate_gradient: b must be a flat vector [D], got shape {tuple(b.shape)}")
+    x = torch.zeros_like(b)
+    r = b.clone()  # residual b - F x, with x = 0
+    p = b.clone()  # search direction
+    rr = r @ r
+    for _ in range(iters):
+        if rr < residual_tol:
+            break
+        fp = matvec(p)
+        curvature = p @ fp
+        if curvature <= 0:  # not positive definite along p: keep what we have
+            break
+        alpha = rr / curvature
+        x = x + alpha * p
+        r = r - alpha * fp
+        rr_new = r @ r
+        p = r + (rr_new / rr) * p
+        rr = rr_new
+    return x
+
+
+def trust_region_scale(x: Tensor, Fx: Tensor, delta: float) -> Tensor:  # noqa: N803 (F is the paper's name)
+    """Scale ``β`` of the maximal step ``β x`` inside the quadratic trust region (spec 003, §4 TRPO;
+    Schulman et al. 2015, Appendix C).
+
+    The quadratic KL model ``½ (βx)ᵀF(βx) = δ`` gives ``β = sqrt(2δ / xᵀFx)``. When ``xᵀFx <= 0`` (a
+    degenerate direction, e.g. ``x = 0``) no finite step is defined and ``β = 0`` (no step).
+
+    Args:
+        x: ``[D]`` the search direction (``F⁻¹ g`` from conjugate gradient).
+        Fx: ``[D]`` the Fisher-vector product ``F x``.
+        delta: trust-region radius δ > 0 (a KL in nats).
+
+    Returns:
+        A 0-d tensor ``β >= 0`` (dtype of ``x``).
+
+    Example:
+        >>> x = torch.tensor([1.0, 0.0]); F = 2 * torch.eye(2)
+        >>> trust_region_scale(x, F @ x, delta=0.01)   # sqrt(2 * 0.01 / 2)
+        tensor(0.1000)
+    """
+    if delta <= 0:
+        raise ValueError(f"trust_region_scale: delta must be > 0, got {delta}")
+    if x.shape != Fx.shape:
+        raise ValueError(f"trust_region_scale: x and Fx must have one shape, got {tuple(x.shape)}, {tuple(Fx.shape)}")
+    shs = x @ Fx  # xᵀFx
+    if not torch.isfinite(shs) or shs <= 0:
+        return torch.zeros((), dtype=x.dtype, device=x.device)
+    return torch.sqrt(2.0 * delta / shs)
+
+
+def categorical_kl(old_logp: Tensor, new_logp: Tensor, mask: Tensor) -> Tensor:
+    """Token-mean full-vocabulary ``KL(π_old ‖ π_new)`` over the masked positions (spec 003, §4 TRPO and the
+    notation of D_KL; Schulman et al. 2015, the constraint ``D̄_KL(θ_old, θ) <= δ``)::
+
+        KL = (1 / Σ mask) Σ_{i,t: mask=1} Σ_v p_old(v) (log p_old(v) - log p_new(v))
+
+    Vocabulary entries outside ``π_old``'s support (``old_logp = -inf``, e.g. cut by top-p) contribute 0; an
+    entry in ``π_old``'s support that ``π_new`` excludes gives ``+inf``. Its Hessian in the parameters of
+    ``π_new`` at ``π_new = π_old`` is the Fisher matrix TRPO's conjugate gradient uses; ``old_logp`` should
+    be detached for that.
+
+    Args:
+        old_logp: ``[N, T, V]`` log-probs of π_old over the whole vocabulary (constants).
+        new_logp: ``[N, T, V]`` log-probs of π_new (may carry the gradient).
+        mask: ``[N, T]`` 1 on the positions that count (model-generated tokens).
+
+    Returns:
+        A 0-d tensor, ``>= 0`` (0 when the mask is empty).
+
+    Example:
+        >>> old = torch.tensor([[[0.5, 0.5]]]).log(); new = torch.tensor([[[0.25, 0.75]]]).log()
+        >>> categorical_kl(old, new, torch.ones(1, 1))   # 0.5 ln(0.5/0.25) + 0.5 ln(0.5/0.75)
+        tensor(0.1438)
+    """
+    if old_logp.shape != new_logp.shape or old_logp.dim() != 3 or tuple(mask.shape) != tuple(old_logp.shape[:2]):
+        raise ValueError(
+            f"categorical_kl: need old_logp, new_logp [N, T, V] and mask [N, T], got {tuple(old_logp.shape)}, "
+            f"{tuple(new_logp.shape)}, {tuple(mask.shape)}"
+        )
+    support = torch.isfinite(old_logp)  # [N, T, V]; -inf = outside π_old's support
+    p_old = old_logp.exp()  # 0 outside the support
+    diff = old_logp.masked_fill(~support, 0.0) - new_logp.masked_fill(~support, 0.0)
+    per_token = (p_old * diff).sum(-1)  # [N, T]
+    return masked_mean(per_token, mask)
+
+
+def importance_surrogate(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+                         weights: Tensor) -> Tensor:
+    """TRPO's surrogate objective, to be *maximised* (spec 003, §4 TRPO "approximately maximizes ρA";
+    Schulman et al. 2015, eq. 14)::
+
+        S(θ) = Σ_{i,t} w_{i,t} ρ_{i,t} A_{i,t},   ρ = exp(log π_θ - log π_old)
+
+    with ``w`` the aggregation weights of the rollout batch. At θ = θ_old (on-policy) ``∇S = ∇ Σ w A log π``,
+    the policy gradient.
+
+    Args:
+        logprobs: ``[N, T]`` learner log-probs of the generated tokens (carry the gradient).
+        old_logprobs: ``[N, T]`` π_old's (the sampler's) log-probs, constants.
+        advantages: ``[N, T]``, ``[N, 1]`` or ``[N]``, constants.
+        mask, weights: ``[N, T]``; ``weights`` zero off the mask.
+
+    Returns:
+        A 0-d tensor.
+
+    Example:
+        >>> lp = torch.log(torch.tensor([[0.5, 0.2]])); old = torch.log(torch.tensor([[0.25, 0.2]]))
+        >>> importance_surrogate(lp, old, torch.tensor([1.0]), torch.ones(1, 2), torch.full((1, 2), 0.5))
+        tensor(1.5000)   # 0.5 * (0.5/0.25) * 1 + 0.5 * 1 * 1
+    """
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1)  # one advantage per row, broadcast over tokens
+    ratio = torch.exp((logprobs - old_logprobs.detach()) * mask)  # [N, T]; 1 on padding
+    return (ratio * advantages.detach() * weights).sum()
+
+
+def fisher_vector_product(
+    kl: Tensor, params: Sequence[Tensor], damping: float = 0.0
+) -> Callable[[Tensor], Tensor]:
+    """``v -> F v + damping · v`` with ``F = ∇²_θ KL`` by double backpropagation (spec 003, §4 TRPO;
+    Schulman et al. 2015, Appendix C.1 "Computing the Fisher-Vector Product")::
+
+        F v = ∇_θ ( (∇_θ KL)ᵀ v )
+
+    ``kl`` must be ``KL(π_old ‖ π_θ)`` with π_old detached and evaluated at θ = θ_old, where its gradient is
+    0 and its Hessian is the Fisher information matrix (symmetric positive semi-definite; ``damping > 0``
+    makes it definite). The first derivative graph is built once and reused for every product.
+
+    Args:
+        kl: 0-d tensor carrying the graph to ``params``.
+        params: the ``D`` parameters (in total) the step is taken in; ones that ``kl`` does not depend on get 0.
+        damping: added multiple of the identity (Tikhonov damping, > 0 keeps CG well posed).
+
+    Returns:
+        A closure ``v [D] -> F v + damping v [D]``; ``v`` may be of any float dtype, the result has ``v``'s dtype.
+
+    Example:
+        >>> theta = torch.zeros(2, requires_grad=True)   # one categorical with logits θ, p_old = [0.5, 0.5]
+        >>> old = torch.log_softmax(theta.detach(), -1).view(1, 1, 2)
+        >>> kl = categorical_kl(old, torch.log_softmax(theta, -1).view(1, 1, 2), torch.ones(1, 1))
+        >>> fisher_vector_product(kl, [theta])(torch.tensor([1.0, 0.0]))   # (diag(p) - p pᵀ) v
+        tensor([ 0.2500, -0.2500])
+    """
+    params = list(params)
+    grads = torch.autograd.grad(kl, params, create_graph=True, allow_unused=True)
+    flat_grad = torch.cat([
+        (g if g is not None else torch.zeros_like(p)).reshape(-1) for g, p in zip(grads, params)
+    ])  # [D], carries the graph
+
+    def product(v: Tensor) -> Tensor:
+        if v.shape != flat_grad.shape:
+            raise ValueError(f"fisher_vector_product: v must have shape {tuple(flat_grad.shape)}, got {tuple(v.shape)}")
+        if not flat_grad.requires_grad:  # KL independent of every parameter: F = 0
+            return damping * v
+        grad_v = flat_grad @ v.to(flat_grad.dtype).detach()
+        hv = torch.autograd.grad(grad_v, params, retain_graph=True, allow_unused=True)
+        flat = torch.cat([(h if h is not None else torch.zeros_like(p)).reshape(-1) for h, p in zip(hv, params)])
+        return flat.to(v.dtype) + damping * v
+
+    return product
