@@ -20,9 +20,7 @@ from rl_lightning.functional import (
     aggregate,
     clipped_policy_loss,
     clipped_value_loss,
-    gae,
-    masked_whiten,
-    outcome_token_rewards,
+    outcome_gae,
 )
 from rl_lightning.models.value import CriticMode, build_critic
 from rl_lightning.rollout.batch import RolloutBatch
@@ -110,11 +108,9 @@ class PPO(RLModule):
         with torch.no_grad():
             out = self.forward_policy(batch, with_hidden=True) if self.needs_hidden else None
             values = self.critic_values(batch, out)  # V_old, [N, T]
-        rewards = outcome_token_rewards(batch.rewards.float(), batch.loss_mask)
-        advantages, returns = gae(rewards, values, batch.loss_mask, self.gamma, self.lam)
+        advantages, returns = outcome_gae(batch.rewards.float(), values, batch.loss_mask, self.gamma, self.lam,
+                                          whiten=self.whiten_advantages)
         batch.values, batch.returns = values, returns  # carried into every minibatch by select()
-        if self.whiten_advantages:
-            advantages = masked_whiten(advantages, batch.loss_mask)
         return advantages
 
     @override

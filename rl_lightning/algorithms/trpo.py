@@ -30,11 +30,9 @@ from rl_lightning.algorithms.base import NonFiniteLossError, PolicyOutput, RLMod
 from rl_lightning.functional import (
     clipped_value_loss,
     explained_variance,
-    gae,
     group_advantages,
     masked_mean,
-    masked_whiten,
-    outcome_token_rewards,
+    outcome_gae,
     sampling_log_softmax,
 )
 from rl_lightning.functional.trpo import (
@@ -169,11 +167,9 @@ class TRPO(RLModule):
             return group_advantages(batch.rewards, batch.group_size, scale=self.scale_rewards, eps=self.std_eps)
         with torch.no_grad():
             values = self.critic_values(batch)  # V_old, [N, T]
-        rewards = outcome_token_rewards(batch.rewards.float(), batch.loss_mask)
-        advantages, returns = gae(rewards, values, batch.loss_mask, self.gamma, self.lam)
+        advantages, returns = outcome_gae(batch.rewards.float(), values, batch.loss_mask, self.gamma, self.lam,
+                                          whiten=self.whiten_advantages)
         batch.values, batch.returns = values, returns
-        if self.whiten_advantages:
-            advantages = masked_whiten(advantages, batch.loss_mask)
         return advantages
 
     @override

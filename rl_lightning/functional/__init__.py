@@ -11,6 +11,7 @@ from rl_lightning.functional.advantages import (
     gae,
     group_advantages,
     leave_one_out_advantages,
+    outcome_gae,
     outcome_token_rewards,
 )
 from rl_lightning.functional.kl import KLKind, kl_estimate
@@ -63,6 +64,7 @@ __all__ = [
     "masked_mean",
     "masked_sum",
     "masked_whiten",
+    "outcome_gae",
     "outcome_token_rewards",
     "policy_gradient_loss",
     "sampling_log_softmax",

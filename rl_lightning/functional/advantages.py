@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from rl_lightning.functional.masked import masked_whiten
+
 
 def _grouped(rewards: Tensor, group_size: int) -> Tensor:
     if rewards.dim() != 1:
@@ -169,3 +171,19 @@ def outcome_token_rewards(rewards: Tensor, mask: Tensor) -> Tensor:
     counts = mask.long().sum(dim=1, keepdim=True)  # [B, 1]
     last = (mask.long().cumsum(dim=1) == counts) & mask.bool() & (counts > 0)  # the last masked position
     return last.to(rewards.dtype) * rewards.unsqueeze(-1)
+
+
+def outcome_gae(
+    rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float | Tensor, whiten: bool = True
+) -> tuple[Tensor, Tensor]:
+    """GAE for outcome rewards (spec 003 §5), the advantage estimator of PPO and of TRPO's ``gae`` option.
+
+    ``R_i`` is placed on the last generated token (``outcome_token_rewards``), then ``gae`` over the masked
+    tokens with ``values`` (the critic at rollout time); with ``whiten`` the advantages are normalised to
+    mean 0 / std 1 over the generated tokens (``masked_whiten``). Returns ``(advantages, returns)``, both
+    ``[N, T]``; the returns are never whitened.
+    """
+    advantages, returns = gae(outcome_token_rewards(rewards, mask), values, mask, gamma, lam)
+    if whiten:
+        advantages = masked_whiten(advantages, mask)
+    return advantages, returns

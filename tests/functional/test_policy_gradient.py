@@ -90,3 +90,19 @@ def test_outcome_token_rewards_sit_on_the_last_generated_token():
     mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]])
     r = outcome_token_rewards(torch.tensor([1.0, 0.5, 9.0]), mask)
     assert r.tolist() == [[0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.5], [0.0, 0.0, 0.0, 0.0]]
+
+
+def test_outcome_gae_is_gae_on_outcome_rewards_then_whitened():
+    from rl_lightning.functional import gae, masked_whiten, outcome_gae
+
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    values = torch.tensor([[0.1, 0.2, 0.3], [0.5, 0.4, 9.0]])
+    rewards = torch.tensor([1.0, 0.0])
+    adv, ret = outcome_gae(rewards, values, mask, gamma=1.0, lam=1.0, whiten=False)
+    # γ = λ = 1 and V = 0 after the end: Â_t = R - V_t on every generated token
+    torch.testing.assert_close(adv, torch.tensor([[0.9, 0.8, 0.7], [-0.5, -0.4, 0.0]]))
+    torch.testing.assert_close(ret, torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]))
+    white, ret2 = outcome_gae(rewards, values, mask, gamma=1.0, lam=0.9, whiten=True)
+    raw, ret_raw = gae(torch.tensor([[0.0, 0.0, 1.0], [0.0, 0.0, 0.0]]), values, mask, 1.0, 0.9)
+    torch.testing.assert_close(white, masked_whiten(raw, mask))
+    torch.testing.assert_close(ret2, ret_raw)  # returns are never whitened
