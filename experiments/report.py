@@ -62,7 +62,7 @@ def _final(run: Run) -> float:
     return run.val[-1][1]
 
 
-def write_table(runs: list[Run], out: Path, plot: Path | None, command: str) -> None:
+def write_table(runs: list[Run], out: Path, plot: Path | None, command: str, notes: str = "") -> None:
     lines = [
         "# Results",
         "",
@@ -96,6 +96,8 @@ def write_table(runs: list[Run], out: Path, plot: Path | None, command: str) -> 
         lines.append(f"| {run.method} | {run.seed} | `{run.path}` | {series} |")
     if plot is not None:
         lines += ["", f"![held-out reward against step]({plot.name})"]
+    if notes:
+        lines += ["", notes.strip()]
     out.write_text("\n".join(lines) + "\n")
 
 
@@ -131,10 +133,11 @@ def main() -> None:
     parser.add_argument("--plot", type=Path, default=Path("docs/results.png"))
     parser.add_argument("--command", default="rl-lightning fit --config configs/grpo.yaml",
                         help="the training command, quoted in the report")
+    parser.add_argument("--notes", type=Path, help="a markdown file appended to the report (observations)")
     args = parser.parse_args()
     runs = [load_run(p) for p in args.runs]
     write_plot(runs, args.plot)
-    write_table(runs, args.out, args.plot, args.command)
+    write_table(runs, args.out, args.plot, args.command, args.notes.read_text() if args.notes else "")
     for run in runs:
         print(f"{run.method} seed {run.seed}: val/reward {run.val[0][1]:.3f} -> {run.val[-1][1]:.3f} "
               f"(best {max(v for _, v in run.val):.3f}) in {run.steps} steps, {run.wall_time_s / 60:.1f} min")
