@@ -144,6 +144,8 @@ class RLModule(LightningModule):
         ``[n, T]``; ``weights`` ``[n, T]`` are the aggregation weights to use with ``functional.aggregate``.
         """
 
+    #: smallest ``data.group_size`` the method's advantages make sense for (2 for group baselines)
+    min_group_size: int = 1
     #: ask ``forward_policy`` for a differentiable entropy on every update (entropy bonuses)
     needs_entropy: bool = False
     #: ask ``forward_policy`` for the final hidden states (value heads on the policy backbone)
@@ -177,6 +179,11 @@ class RLModule(LightningModule):
                     f"of a rollout batch per device (data.prompts_per_step={per_step} / {self.trainer.world_size} "
                     f"device(s) x data.group_size={group_size})"
                 )
+        if group_size is not None and group_size < self.min_group_size:
+            raise ValueError(
+                f"{type(self).__name__} needs data.group_size >= {self.min_group_size} (its baseline compares the "
+                f"responses to one prompt), got {group_size}"
+            )
         self.check_datamodule(datamodule)
 
     def load_frozen_copy(self) -> nn.Module:

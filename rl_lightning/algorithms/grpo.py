@@ -18,7 +18,7 @@ from rl_lightning.rollout.batch import RolloutBatch
 
 
 class GRPO(RLModule):
-    """Group Relative Policy Optimization.
+    """Group Relative Policy Optimization (needs ``data.group_size >= 2``).
 
     Args:
         clip_eps_low: ε below 1 (ratio floor ``1 - clip_eps_low``).
@@ -27,6 +27,8 @@ class GRPO(RLModule):
         std_eps: added to σ_G; a group with no reward spread gets advantage 0.
         **kwargs: ``RLModule`` arguments (model, optimizer, iterations, aggregation, ...).
     """
+
+    min_group_size = 2
 
     def __init__(
         self,
@@ -43,14 +45,6 @@ class GRPO(RLModule):
         self.clip_eps_high = clip_eps_high
         self.scale_rewards = scale_rewards
         self.std_eps = std_eps
-
-    @override
-    def check_datamodule(self, datamodule: Any) -> None:
-        group_size = getattr(datamodule, "group_size", None)
-        if group_size is not None and group_size < 2:
-            raise ValueError(
-                f"{type(self).__name__} needs data.group_size >= 2 (a group-relative baseline), got {group_size}"
-            )
 
     @override
     def compute_advantages(self, batch: RolloutBatch) -> Tensor:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from torch import Tensor
 from typing_extensions import override
 
@@ -16,11 +14,7 @@ class RLOO(PolicyGradient):
     """REINFORCE Leave-One-Out: each response's baseline is the mean reward of the *other* responses to its
     prompt. No value network. Advantages are constants in the update. Needs ``data.group_size >= 2``."""
 
-    @override
-    def check_datamodule(self, datamodule: Any) -> None:
-        group_size = getattr(datamodule, "group_size", None)
-        if group_size is not None and group_size < 2:
-            raise ValueError(f"RLOO needs data.group_size >= 2 (a leave-one-out baseline), got {group_size}")
+    min_group_size = 2
 
     @override
     def compute_advantages(self, batch: RolloutBatch) -> Tensor:

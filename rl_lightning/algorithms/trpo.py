@@ -130,6 +130,7 @@ class TRPO(RLModule):
         self.cg_iters, self.backtrack_iters, self.backtrack_coeff = cg_iters, backtrack_iters, backtrack_coeff
         self.fisher_subsample = fisher_subsample
         self.advantage_estimator = advantage_estimator
+        self.min_group_size = 2 if advantage_estimator == "group" else 1  # group-relative advantages need G >= 2
         self.scale_rewards, self.std_eps = scale_rewards, std_eps
         self.critic_lr, self.critic_steps = critic_lr, critic_steps
         self.gamma, self.lam, self.whiten_advantages = gamma, lam, whiten_advantages
@@ -153,9 +154,6 @@ class TRPO(RLModule):
 
     @override
     def check_datamodule(self, datamodule: Any) -> None:
-        group_size = getattr(datamodule, "group_size", None)
-        if self.advantage_estimator == "group" and group_size is not None and group_size < 2:
-            raise ValueError(f"TRPO(advantage_estimator='group') needs data.group_size >= 2, got {group_size}")
         if self.trainer.world_size > 1:
             raise ValueError(f"TRPO runs in a single process (the CG step is not distributed), got "
                              f"world_size={self.trainer.world_size}")
