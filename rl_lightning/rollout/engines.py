@@ -1,7 +1,8 @@
 """Rollout engines: how the data module turns prompts into sampled tokens and their sampler log-probs.
 
 * ``KVCacheEngine`` (default): the library's own loop (``generation.sample``): one forward per new token on a
-  KV cache, log-probs taken from the sampling logits themselves (no second pass), rows stopped at EOS.
+  KV cache, log-probs taken from the sampling logits themselves (no second pass), rows stopped at EOS and
+  dropped from the forward batch (and the cache) once enough of them have finished.
 * ``HFGenerateEngine``: Hugging Face ``model.generate`` as a reference; the log-probs are recomputed from
   the raw logits ``generate`` returns, under the same sampling distribution.
 
@@ -19,7 +20,7 @@ from torch import Tensor, nn
 from transformers import GenerationConfig
 
 from rl_lightning.functional.logprobs import sampling_log_softmax
-from rl_lightning.rollout.generation import Generation, sample
+from rl_lightning.rollout.generation import DEFAULT_COMPACT_BELOW, Generation, sample
 
 
 class RolloutEngine(ABC):
@@ -37,12 +38,31 @@ class RolloutEngine(ABC):
 
 
 class KVCacheEngine(RolloutEngine):
-    """The library's sampling loop (``rl_lightning.rollout.generation.sample``)."""
+    """The library's sampling loop (``rl_lightning.rollout.generation.sample``).
+
+    Args:
+        drop_finished: take rows that have emitted EOS out of the forward batch (the KV cache is cut to the
+            running rows); the tokens drawn are the same either way.
+        compact_below: cut once the running rows are at most this fraction of the forward batch (1.0: at
+            every EOS; lower values copy the cache less often).
+        static_cache: decode Llama / Qwen2 / Mistral models with ``StaticDecoder`` (a pre-allocated KV cache
+            and no per-step Hugging Face machinery; same arithmetic); other models always use their forward.
+    """
+
+    def __init__(self, drop_finished: bool = True, compact_below: float = DEFAULT_COMPACT_BELOW,
+                 static_cache: bool = True) -> None:
+        if not 0.0 <= compact_below <= 1.0:
+            raise ValueError(f"KVCacheEngine: compact_below must be in [0, 1], got {compact_below}")
+        self.drop_finished = drop_finished
+        self.compact_below = compact_below
+        self.static_cache = static_cache
 
     def generate(self, model, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id,  # noqa: ANN001
                  temperature=1.0, top_p=1.0, greedy=False, generator=None) -> Generation:
         return sample(model, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id,
-                      temperature=temperature, top_p=top_p, greedy=greedy, generator=generator)
+                      temperature=temperature, top_p=top_p, greedy=greedy, generator=generator,
+                      drop_finished=self.drop_finished, compact_below=self.compact_below,
+                      static_cache=self.static_cache)
 
 
 class HFGenerateEngine(RolloutEngine):

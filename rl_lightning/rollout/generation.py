@@ -1,7 +1,8 @@
 """Sampling with a KV cache, recording the sampler's per-token log-probs under its exact distribution.
 
-One prompt forward fills the cache; each further step feeds one token per row. Rows stop at EOS (later
-positions are padding with ``loss_mask = 0``), and the loop ends when every row has stopped.
+One prompt forward fills the cache; each further step feeds one token per running row. Rows stop at EOS
+(later positions are padding with ``loss_mask = 0``); finished rows leave the forward batch (the cache is cut
+to the running rows) once enough of them have stopped, and the loop ends when every row has stopped.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from rl_lightning.functional.logprobs import sampling_logits
+from rl_lightning.rollout.static_decode import StaticDecoder, supports
 
 
 @dataclass
@@ -23,6 +25,10 @@ class Generation:
     logprobs: Tensor  # sampler log-prob of each generated token (0 on padding)
     mask: Tensor  # 1 on generated tokens (EOS included)
     truncated: Tensor  # [N] bool: no EOS within max_new_tokens
+
+
+#: drop finished rows from the forward batch once the running ones are at most this fraction of it
+DEFAULT_COMPACT_BELOW = 0.75
 
 
 def _cache_argument(model: nn.Module) -> str:
@@ -52,13 +58,28 @@ def sample(
     top_p: float = 1.0,
     greedy: bool = False,
     generator: torch.Generator | None = None,
+    drop_finished: bool = True,
+    compact_below: float = DEFAULT_COMPACT_BELOW,
+    static_cache: bool = True,
 ) -> Generation:
     """Generate up to ``max_new_tokens`` tokens per row of a left-padded prompt batch.
 
     Tokens are drawn from ``softmax(top_p(logits / temperature))`` (``greedy`` takes the argmax of the raw
     logits instead) using ``generator`` for reproducibility; the recorded log-prob is the sampling
     distribution's (for greedy decoding: the temperature-scaled distribution's).
+
+    With ``drop_finished`` (and a cache that supports ``batch_select_indices``, as Hugging Face's do), rows
+    that have emitted EOS leave the forward batch once the still-running rows are at most ``compact_below``
+    of it: the cache is cut to the running rows, so long-tailed response lengths stop costing a forward for
+    every finished row. The draw itself is always made for all rows (finished rows get a dummy
+    distribution), so the random stream, and with it every token, is the same as without dropping.
+
+    With ``static_cache`` and a model that ``static_decode.supports`` (Llama / Qwen2 / Mistral decoders), the
+    decode steps run on ``StaticDecoder``: the same arithmetic on a pre-allocated KV cache without Hugging
+    Face's per-step machinery. Other models, and ``static_cache=False``, use the model's own forward.
     """
+    if not 0.0 <= compact_below <= 1.0:
+        raise ValueError(f"compact_below must be in [0, 1], got {compact_below}")
     batch = input_ids.shape[0]
     device = input_ids.device
     attention_mask = attention_mask.long()
@@ -67,10 +88,18 @@ def sample(
                 logits_to_keep=1)
     cache_kw = _cache_argument(model)
     cache, logits = _returned_cache(out), out.logits[:, -1]
+    decoder = None
+    if static_cache and cache is not None and supports(model):
+        decoder = StaticDecoder.from_prefill(model, cache, attention_mask, max_new_tokens)
+        cache = None
+    can_drop = drop_finished and (decoder is not None or callable(getattr(cache, "batch_select_indices", None)))
+    rows = torch.arange(batch, device=device)  # original row of each row of the forward batch
     next_pos = positions[:, -1:] + 1
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     ids, logps, masks = [], [], []
     for step in range(max_new_tokens):
+        if rows.numel() < batch:  # finished rows were dropped: scatter into a full-size [N, V] table
+            logits = logits.new_zeros(batch, logits.shape[-1]).index_copy_(0, rows, logits)
         scaled = sampling_logits(logits, temperature, top_p)  # [N, V]
         logp_all = torch.log_softmax(scaled, dim=-1)
         if greedy:
@@ -86,10 +115,22 @@ def sample(
         finished = finished | (token == eos_token_id)
         if bool(finished.all()) or step == max_new_tokens - 1:
             break
-        attention_mask = torch.cat([attention_mask, active.long().unsqueeze(-1)], dim=-1)
-        out = model(input_ids=token.unsqueeze(-1), attention_mask=attention_mask, position_ids=next_pos,
-                    use_cache=True, **{cache_kw: cache})
-        cache, logits = _returned_cache(out), out.logits[:, -1]
+        running = ~finished[rows]  # over the forward batch
+        still = int(running.sum())
+        if can_drop and still < rows.numel() and still <= compact_below * rows.numel():
+            keep = running.nonzero().squeeze(-1)
+            if decoder is not None:
+                decoder.select(keep)
+            else:
+                cache.batch_select_indices(keep)
+            rows, attention_mask, next_pos = rows[keep], attention_mask[keep], next_pos[keep]
+        if decoder is not None:  # finished rows' later logits are never used: no mask update needed
+            logits = decoder.step(token[rows], next_pos)
+        else:
+            attention_mask = torch.cat([attention_mask, active[rows].long().unsqueeze(-1)], dim=-1)
+            out = model(input_ids=token[rows].unsqueeze(-1), attention_mask=attention_mask, position_ids=next_pos,
+                        use_cache=True, **{cache_kw: cache})
+            cache, logits = _returned_cache(out), out.logits[:, -1]
         next_pos = next_pos + 1
     mask = torch.stack(masks, dim=1)
     return Generation(

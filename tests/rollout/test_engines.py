@@ -22,14 +22,15 @@ def _prompts(tok, texts):
     return ids, (ids != tok.pad_token_id).long()
 
 
+@pytest.mark.parametrize("static_cache", [True, False])
 @pytest.mark.parametrize("greedy, temperature", [(True, 1.0), (False, 1.0), (False, 0.7)])
-def test_engines_draw_the_same_tokens_and_logprobs(policy, greedy, temperature):
+def test_engines_draw_the_same_tokens_and_logprobs(policy, greedy, temperature, static_cache):
     model, tok = policy
     ids, mask = _prompts(tok, ["37+48=", "5+5=", "99+1=", "12+34="] * 4)
     kwargs = dict(max_new_tokens=6, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                   temperature=temperature, greedy=greedy)
     torch.manual_seed(123)
-    ours = KVCacheEngine().generate(model, ids, mask, **kwargs)
+    ours = KVCacheEngine(static_cache=static_cache).generate(model, ids, mask, **kwargs)
     torch.manual_seed(123)
     ref = HFGenerateEngine().generate(model, ids, mask, **kwargs)
     assert torch.equal(ours.mask, ref.mask)
@@ -49,3 +50,72 @@ def test_hf_engine_with_a_generator_is_reproducible_and_leaves_the_global_rng_al
     b = HFGenerateEngine().generate(model, ids, mask, generator=torch.Generator().manual_seed(7), **kwargs)
     assert torch.equal(torch.get_rng_state(), state)
     assert torch.equal(a.response_ids, b.response_ids)
+
+
+def _forward_batch_sizes(model):
+    """Rows fed to every forward (prompt and decode steps, on either decode path): a hook on the embedding."""
+    sizes: list[int] = []
+    handle = model.get_input_embeddings().register_forward_pre_hook(lambda mod, args: sizes.append(args[0].shape[0]))
+    return sizes, handle
+
+
+@pytest.mark.parametrize("static_cache", [True, False])
+@pytest.mark.parametrize("name, temperature, compact_below", [
+    ("embedded:random", 1.0, 0.75), ("embedded:random", 0.7, 1.0), ("embedded:arithmetic", 1.0, 0.5),
+])
+def test_dropping_finished_rows_changes_no_token(name, temperature, compact_below, static_cache):
+    """Cutting finished rows out of the forward batch gives the same draws as keeping them."""
+    model, tok = load_policy(name)
+    model.eval()
+    ids, mask = _prompts(tok, ["37+48=", "5+5=", "99+1=", "12+34=", "1+2=", "60+7="] * 4)  # 24 rows, padded
+    kwargs = dict(max_new_tokens=24, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                  temperature=temperature)
+    sizes, handle = _forward_batch_sizes(model)
+    try:
+        lean = KVCacheEngine(compact_below=compact_below, static_cache=static_cache).generate(
+            model, ids, mask, generator=torch.Generator().manual_seed(5), **kwargs)
+    finally:
+        handle.remove()
+    full = KVCacheEngine(drop_finished=False, static_cache=False).generate(
+        model, ids, mask, generator=torch.Generator().manual_seed(5), **kwargs)
+    lengths = full.mask.sum(1)
+    assert lengths.min() < lengths.max()  # rows really finish at different steps
+    assert min(sizes) < ids.shape[0]  # and some forwards really ran on fewer rows
+    assert sizes == sorted(sizes, reverse=True)  # the forward batch only ever shrinks
+    assert torch.equal(lean.response_ids, full.response_ids)
+    assert torch.equal(lean.mask, full.mask)
+    assert torch.equal(lean.truncated, full.truncated)
+    assert (lean.logprobs - full.logprobs).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("static_cache", [True, False])
+def test_forward_batch_shrinks_to_the_running_rows(policy, static_cache):
+    """With ``compact_below=1`` every decode forward runs exactly the rows that have not emitted EOS yet."""
+    model, tok = policy
+    ids, mask = _prompts(tok, ["37+48=", "5+5=", "99+1=", "12+34="] * 3)
+    sizes, handle = _forward_batch_sizes(model)
+    try:
+        gen = KVCacheEngine(compact_below=1.0, static_cache=static_cache).generate(
+            model, ids, mask, max_new_tokens=8, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+            generator=torch.Generator().manual_seed(3))
+    finally:
+        handle.remove()
+    ended = (gen.response_ids == tok.eos_token_id).long().cumsum(1) > 0  # [N, T]: EOS at or before step t
+    running_after = (~ended).sum(0).tolist()  # rows still running after drawing token t
+    assert sizes[0] == ids.shape[0]  # the prompt forward
+    assert sizes[1:] == running_after[:len(sizes) - 1]
+    assert sizes[-1] < ids.shape[0]
+
+
+def test_compact_below_zero_never_cuts_and_bad_values_are_refused(policy):
+    model, tok = policy
+    ids, mask = _prompts(tok, ["37+48=", "5+5="] * 4)
+    sizes, handle = _forward_batch_sizes(model)
+    try:
+        KVCacheEngine(compact_below=0.0).generate(model, ids, mask, max_new_tokens=8, eos_token_id=tok.eos_token_id,
+                                                  pad_token_id=tok.pad_token_id)
+    finally:
+        handle.remove()
+    assert set(sizes) == {ids.shape[0]}
+    with pytest.raises(ValueError, match="compact_below"):
+        KVCacheEngine(compact_below=1.5)
