@@ -77,7 +77,7 @@ class HFGenerateEngine(RolloutEngine):
                  temperature=1.0, top_p=1.0, greedy=False, generator=None) -> Generation:
         config = GenerationConfig(
             do_sample=not greedy, temperature=temperature if not greedy else None,
-            top_p=top_p if not greedy else None, top_k=None, max_new_tokens=max_new_tokens,
+            top_p=top_p if not greedy else None, top_k=0, max_new_tokens=max_new_tokens,
             eos_token_id=eos_token_id, pad_token_id=pad_token_id, output_logits=True,
             return_dict_in_generate=True,
         )

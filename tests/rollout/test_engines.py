@@ -119,3 +119,26 @@ def test_compact_below_zero_never_cuts_and_bad_values_are_refused(policy):
     assert set(sizes) == {ids.shape[0]}
     with pytest.raises(ValueError, match="compact_below"):
         KVCacheEngine(compact_below=1.5)
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_engines_agree_on_a_vocabulary_larger_than_generates_default_top_k(top_p):
+    """``generate`` falls back to top-k 50 when ``top_k`` is unset; the reference engine must switch it off."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, max_position_embeddings=64)).eval()
+    ids = torch.randint(3, 300, (16, 5))
+    mask = torch.ones_like(ids)
+    mask[::3, :2] = 0  # some left padding
+    kwargs = dict(max_new_tokens=8, eos_token_id=2, pad_token_id=0, top_p=top_p)
+    torch.manual_seed(9)
+    ours = KVCacheEngine().generate(model, ids.masked_fill(mask == 0, 0), mask, **kwargs)
+    torch.manual_seed(9)
+    ref = HFGenerateEngine().generate(model, ids.masked_fill(mask == 0, 0), mask, **kwargs)
+    assert torch.equal(ours.response_ids, ref.response_ids)
+    assert (ours.logprobs - ref.logprobs).abs().max() < 1e-5
+    # a near-uniform random model over 300 tokens: plenty of the drawn tokens are outside any top 50
+    ranks = (model(input_ids=ids).logits[:, -1].argsort(-1, descending=True) == ours.response_ids[:, :1]).float()
+    assert ranks.argmax(-1).max() >= 50
