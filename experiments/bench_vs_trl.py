@@ -81,6 +81,35 @@ def build_checkpoint(size: str, out: Path) -> None:
     tok.save_pretrained(out)
 
 
+def step_flops(ckpt: Path, completion_tokens: float) -> tuple[float, float]:
+    """``(FLOPs, peak GEMM FLOP/s)``: the least arithmetic any framework must do per step, and this machine's speed.
+
+    Per step: sample ``completion_tokens`` (a forward per token, plus the prompt forward) and one
+    forward/backward (3 forwards' worth) of prompt + completion; 2 FLOPs per weight of every linear layer
+    (the LM head included, embeddings are lookups) per token, attention's ``QK^T`` and ``AV`` added. The peak is
+    the best of three timings of the update's largest matrix product ``[rows*len, hidden] x [hidden, ffn]``.
+    """
+    import torch
+    from transformers import AutoConfig, AutoTokenizer
+
+    config, tok = AutoConfig.from_pretrained(ckpt), AutoTokenizer.from_pretrained(ckpt)
+    hidden, layers, ffn = config.hidden_size, config.num_hidden_layers, config.intermediate_size
+    linear = layers * (4 * hidden * hidden + 3 * hidden * ffn) + hidden * config.vocab_size
+    rows = PROMPTS_PER_STEP * GROUP
+    prompt = statistics.mean(len(tok(t, add_special_tokens=False)["input_ids"]) for t in prompt_texts())
+    length = prompt + completion_tokens / rows
+    per_token = 2 * linear + 4 * layers * hidden * length / 2  # attention over on average half the sequence
+    flops = rows * length * per_token * (1 + 3)  # sampling forward + training forward/backward
+    a, b = torch.randn(int(rows * length), hidden), torch.randn(hidden, ffn)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(5):
+            a @ b
+        best = min(best, (time.perf_counter() - start) / 5)
+    return flops, 2 * a.shape[0] * hidden * ffn / best
+
+
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
@@ -254,7 +283,10 @@ def main() -> None:
                     runs[worker].append(json.loads(lines[-1][len("RESULT "):]))
                     print(f"  {size} {worker}: median {statistics.median(runs[worker][-1]['step_times']):.3f} s/step",
                           flush=True)
+            tokens = statistics.median(t for r in runs["ours"] for t in r["tokens"])
+            flops, peak = step_flops(ckpt, tokens)
         trl, ours = summarise(runs["trl"]), summarise(runs["ours"])
+
         split = [s for r in runs["ours"] for s in r["split"]]
         raw = [s for r in runs["ours"] for s in r["raw"]]
         raw_s = statistics.median([r["sample"] + r["fwd_bwd"] for r in raw])
@@ -265,6 +297,7 @@ def main() -> None:
                     "fwd_bwd": statistics.median([r["fwd_bwd"] for r in raw]), "total": raw_s},
         }
         row["overhead"] = ours["s_per_step"] / raw_s - 1.0
+        row["flops"], row["peak"] = flops, peak
         table.append(row)
         everything[size] = runs
 
@@ -281,6 +314,15 @@ def main() -> None:
         s, w = r["split"], r["raw"]
         print(f"| {r['size']} | {s['rollout_time']:.3f} s | {s['reward_time']:.3f} s | {s['update_time']:.3f} s | "
               f"{w['sample']:.3f} s | {w['fwd_bwd']:.3f} s | {100 * r['overhead']:+.0f}% |")
+    print("\nArithmetic floor: the least FLOPs a step needs (sampling forward + training forward/backward), the")
+    print("speed each framework reached, and the time the step would take at this machine's best matrix-product speed:")
+    print("| model | GFLOP/step | peak GEMM GFLOP/s | TRL GFLOP/s | ours GFLOP/s | floor s/step | best possible ratio vs TRL |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in table:
+        floor = r["flops"] / r["peak"]
+        print(f"| {r['size']} | {r['flops'] / 1e9:.1f} | {r['peak'] / 1e9:.0f} | "
+              f"{r['flops'] / r['trl']['s_per_step'] / 1e9:.0f} | {r['flops'] / r['ours']['s_per_step'] / 1e9:.0f} | "
+              f"{floor:.3f} | {floor / r['trl']['s_per_step']:.2f} |")
     if args.json:
         args.json.write_text(json.dumps({"table": table, "runs": everything}, indent=1))
 
