@@ -87,7 +87,9 @@ def step_flops(ckpt: Path, completion_tokens: float) -> tuple[float, float]:
     Per step: sample ``completion_tokens`` (a forward per token, plus the prompt forward) and one
     forward/backward (3 forwards' worth) of prompt + completion; 2 FLOPs per weight of every linear layer
     (the LM head included, embeddings are lookups) per token, attention's ``QK^T`` and ``AV`` added. The peak is
-    the best of three timings of the update's largest matrix product ``[rows*len, hidden] x [hidden, ffn]``.
+    the best of ten timings of the update's largest matrix product ``[rows*len, hidden] x [hidden, ffn]``
+    (the caller takes the best of two such measurements, before and after the runs: on a shared machine a
+    single measurement can land in a slow moment and understate the peak).
     """
     import torch
     from transformers import AutoConfig, AutoTokenizer
@@ -102,7 +104,7 @@ def step_flops(ckpt: Path, completion_tokens: float) -> tuple[float, float]:
     flops = rows * length * per_token * (1 + 3)  # sampling forward + training forward/backward
     a, b = torch.randn(int(rows * length), hidden), torch.randn(hidden, ffn)
     best = float("inf")
-    for _ in range(3):
+    for _ in range(10):
         start = time.perf_counter()
         for _ in range(5):
             a @ b
@@ -270,6 +272,7 @@ def main() -> None:
             ckpt = Path(tmp) / "ckpt"
             build_checkpoint(size, ckpt)
             runs: dict[str, list[dict]] = {"trl": [], "ours": []}
+            _, peak_before = step_flops(ckpt, PROMPTS_PER_STEP * GROUP * MAX_NEW)
             for _ in range(args.repeats):
                 for worker in ("trl", "ours"):
                     proc = subprocess.run(
@@ -285,6 +288,7 @@ def main() -> None:
                           flush=True)
             tokens = statistics.median(t for r in runs["ours"] for t in r["tokens"])
             flops, peak = step_flops(ckpt, tokens)
+            peak = max(peak, peak_before)
         trl, ours = summarise(runs["trl"]), summarise(runs["ours"])
 
         split = [s for r in runs["ours"] for s in r["split"]]
