@@ -2,6 +2,7 @@
 
     .venv/bin/pip install -e '.[bench]'          # trl, accelerate, datasets (never runtime dependencies)
     .venv/bin/python experiments/bench_vs_trl.py [--sizes 1.1M 10.8M 50.6M] [--steps 6] [--warmup 2] [--repeats 2]
+                                                 [--device cpu|cuda]
 
 For each model size it builds one Llama config and one BPE tokenizer (vocab 512), saves a randomly
 initialised checkpoint, and uses one prompt set and one reward function for both frameworks. Each
@@ -9,10 +10,11 @@ framework trains in its own subprocess (so each has its own peak memory); the su
 (TRL, ours, TRL, ours, ...) so machine noise hits both alike. The first ``--warmup`` steps of each run are
 excluded. Settings shared by both: 8 prompts × G = 8, max 32 completion tokens, temperature 1, top-p 1,
 AdamW lr 1e-5 (no weight decay), grad-norm clip 1.0, β = 0 (no reference model), one update per batch,
-GRPO's seq-mean-token-mean loss (TRL ``loss_type="grpo"``), group std scaling, fp32 on CPU, no gradient
+GRPO's seq-mean-token-mean loss (TRL ``loss_type="grpo"``), group std scaling, fp32, no gradient
 checkpointing, no vLLM.
 
-Printed per size: median s/step, completion tokens/s, peak RSS and the ratio ours/TRL; our step split into
+Printed per size: median s/step, completion tokens/s, peak memory (RSS on CPU, allocated GPU memory with
+``--device cuda``) and the ratio ours/TRL; our step split into
 rollout / reward / update (log-probs + loss + backward + step); and the "raw work" — sampling the same
 number of tokens with the same engine plus one forward/backward of the same sequences — with our overhead
 over it.
@@ -81,7 +83,14 @@ def build_checkpoint(size: str, out: Path) -> None:
     tok.save_pretrained(out)
 
 
-def step_flops(ckpt: Path, completion_tokens: float) -> tuple[float, float]:
+def synchronize(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def step_flops(ckpt: Path, completion_tokens: float, device: str = "cpu") -> tuple[float, float]:
     """``(FLOPs, peak GEMM FLOP/s)``: the least arithmetic any framework must do per step, and this machine's speed.
 
     Per step: sample ``completion_tokens`` (a forward per token, plus the prompt forward) and one
@@ -102,22 +111,30 @@ def step_flops(ckpt: Path, completion_tokens: float) -> tuple[float, float]:
     length = prompt + completion_tokens / rows
     per_token = 2 * linear + 4 * layers * hidden * length / 2  # attention over on average half the sequence
     flops = rows * length * per_token * (1 + 3)  # sampling forward + training forward/backward
-    a, b = torch.randn(int(rows * length), hidden), torch.randn(hidden, ffn)
+    a = torch.randn(int(rows * length), hidden, device=device)
+    b = torch.randn(hidden, ffn, device=device)
     best = float("inf")
     for _ in range(10):
+        synchronize(device)
         start = time.perf_counter()
         for _ in range(5):
             a @ b
+        synchronize(device)
         best = min(best, (time.perf_counter() - start) / 5)
     return flops, 2 * a.shape[0] * hidden * ffn / best
 
 
-def peak_rss_mb() -> float:
+def peak_mb(device: str = "cpu") -> float:
+    """Peak resident memory of this process (CPU) or peak allocated GPU memory (CUDA), in MB."""
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.max_memory_allocated() / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 # ---------------------------------------------------------------------------------------------- workers
-def run_trl(ckpt: Path, steps: int, warmup: int) -> dict:
+def run_trl(ckpt: Path, steps: int, warmup: int, device: str = "cpu") -> dict:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -128,6 +145,7 @@ def run_trl(ckpt: Path, steps: int, warmup: int) -> dict:
 
     class Timer(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN003
+            synchronize(device)
             ends.append(time.perf_counter())
 
     def reward(completions, **kwargs):  # noqa: ANN001, ANN003
@@ -135,7 +153,7 @@ def run_trl(ckpt: Path, steps: int, warmup: int) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         args = GRPOConfig(
-            output_dir=tmp, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
+            output_dir=tmp, use_cpu=device == "cpu", bf16=False, fp16=False, gradient_checkpointing=False,
             per_device_train_batch_size=PROMPTS_PER_STEP * GROUP, num_generations=GROUP,
             max_completion_length=MAX_NEW, temperature=1.0, top_p=1.0, top_k=0, beta=0.0, loss_type="grpo",
             scale_rewards="group", num_iterations=1, learning_rate=LR, weight_decay=0.0, max_grad_norm=1.0,
@@ -152,10 +170,10 @@ def run_trl(ckpt: Path, steps: int, warmup: int) -> dict:
     # generated tokens per step, from TRL's own log (mean completion length x completions per step)
     lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
     tokens = [m * PROMPTS_PER_STEP * GROUP for m in lengths][warmup:]
-    return {"step_times": times, "tokens": tokens, "peak_rss_mb": peak_rss_mb()}
+    return {"step_times": times, "tokens": tokens, "peak_rss_mb": peak_mb(device)}
 
 
-def run_ours(ckpt: Path, steps: int, warmup: int) -> dict:
+def run_ours(ckpt: Path, steps: int, warmup: int, device: str = "cpu") -> dict:
     import torch
     from lightning.pytorch import Callback, Trainer
 
@@ -181,6 +199,7 @@ def run_ours(ckpt: Path, steps: int, warmup: int) -> dict:
 
     class Timer(Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # noqa: ANN001
+            synchronize(device)
             ends.append(time.perf_counter())
             metrics = trainer.callback_metrics
             split.append({k: float(metrics[f"perf/{k}"]) for k in ("rollout_time", "reward_time", "update_time")}
@@ -191,7 +210,7 @@ def run_ours(ckpt: Path, steps: int, warmup: int) -> dict:
     datamodule = RolloutDataModule(task=Prompts(), prompts_per_step=PROMPTS_PER_STEP, group_size=GROUP,
                                    max_new_tokens=MAX_NEW, temperature=1.0, top_p=1.0, reward_fn=DigitReward(),
                                    add_bos=False)
-    trainer = Trainer(accelerator="cpu", devices=1, max_steps=warmup + steps, logger=False,
+    trainer = Trainer(accelerator="gpu" if device == "cuda" else "cpu", devices=1, max_steps=warmup + steps, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       num_sanity_val_steps=0, limit_val_batches=0, callbacks=[Timer()])
     start = time.perf_counter()
@@ -199,7 +218,7 @@ def run_ours(ckpt: Path, steps: int, warmup: int) -> dict:
     marks = [start, *ends]
     times = [b - a for a, b in zip(marks, marks[1:])][warmup:]
     result = {"step_times": times, "tokens": [s["tokens"] for s in split[warmup:]], "split": split[warmup:],
-              "peak_rss_mb": peak_rss_mb()}
+              "peak_rss_mb": peak_mb(device)}
 
     # The raw work: the same engine sampling the same number of prompts/tokens, plus one forward/backward.
     from rl_lightning.rollout.generation import sample
@@ -210,13 +229,16 @@ def run_ours(ckpt: Path, steps: int, warmup: int) -> dict:
     width = max(map(len, rows))
     ids = torch.tensor([[tok.pad_token_id] * (width - len(r)) + r for r in rows])
     mask = (torch.arange(width).unsqueeze(0) >= (width - torch.tensor([len(r) for r in rows])).unsqueeze(1)).long()
+    ids, mask, policy = ids.to(device), mask.to(device), policy.to(device)
     raw = []
     for _ in range(3):
+        synchronize(device)
         t0 = time.perf_counter()
         policy.eval()
         gen = sample(policy, ids, mask, MAX_NEW, tok.eos_token_id, tok.pad_token_id,
-                     generator=torch.Generator().manual_seed(0))
+                     generator=torch.Generator(device=device).manual_seed(0))
         policy.train()
+        synchronize(device)
         t1 = time.perf_counter()
         full = torch.cat([ids, gen.response_ids], 1)
         attn = torch.cat([mask, gen.mask], 1)
@@ -224,6 +246,7 @@ def run_ours(ckpt: Path, steps: int, warmup: int) -> dict:
         logp = torch.log_softmax(logits.float(), -1).gather(-1, gen.response_ids.unsqueeze(-1)).squeeze(-1)
         (-(logp * gen.mask).sum() / gen.mask.sum()).backward()
         policy.zero_grad(set_to_none=True)
+        synchronize(device)
         raw.append({"sample": t1 - t0, "fwd_bwd": time.perf_counter() - t1, "tokens": float(gen.mask.sum())})
     result["raw"] = raw
     return result
@@ -247,6 +270,8 @@ def main() -> None:
     parser.add_argument("--worker", choices=["trl", "ours"], help=argparse.SUPPRESS)
     parser.add_argument("--ckpt", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, help="also write the raw results here")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: both frameworks on the GPU (fp32, as on CPU); memory is then peak allocated")
     args = parser.parse_args()
 
     if args.worker:  # a subprocess: train, print one JSON line
@@ -254,7 +279,7 @@ def main() -> None:
         import warnings
 
         warnings.filterwarnings("ignore")
-        result = (run_trl if args.worker == "trl" else run_ours)(args.ckpt, args.steps, args.warmup)
+        result = (run_trl if args.worker == "trl" else run_ours)(args.ckpt, args.steps, args.warmup, args.device)
         print("RESULT " + json.dumps(result), flush=True)
         return
 
@@ -262,6 +287,8 @@ def main() -> None:
 
     import torch
 
+    if args.device == "cuda":
+        print(f"device: {torch.cuda.get_device_name()} (both frameworks; fp32, as on CPU)")
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__} "
           f"({torch.get_num_threads()} threads), python {platform.python_version()}")
     print(f"settings: {PROMPTS_PER_STEP} prompts x G={GROUP}, max {MAX_NEW} new tokens, vocab {VOCAB}, fp32, "
@@ -272,12 +299,12 @@ def main() -> None:
             ckpt = Path(tmp) / "ckpt"
             build_checkpoint(size, ckpt)
             runs: dict[str, list[dict]] = {"trl": [], "ours": []}
-            _, peak_before = step_flops(ckpt, PROMPTS_PER_STEP * GROUP * MAX_NEW)
+            _, peak_before = step_flops(ckpt, PROMPTS_PER_STEP * GROUP * MAX_NEW, args.device)
             for _ in range(args.repeats):
                 for worker in ("trl", "ours"):
                     proc = subprocess.run(
                         [sys.executable, __file__, "--worker", worker, "--ckpt", str(ckpt), "--steps",
-                         str(args.steps), "--warmup", str(args.warmup)],
+                         str(args.steps), "--warmup", str(args.warmup), "--device", args.device],
                         capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
                     )
                     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -287,7 +314,7 @@ def main() -> None:
                     print(f"  {size} {worker}: median {statistics.median(runs[worker][-1]['step_times']):.3f} s/step",
                           flush=True)
             tokens = statistics.median(t for r in runs["ours"] for t in r["tokens"])
-            flops, peak = step_flops(ckpt, tokens)
+            flops, peak = step_flops(ckpt, tokens, args.device)
             peak = max(peak, peak_before)
         trl, ours = summarise(runs["trl"]), summarise(runs["ours"])
 
@@ -305,7 +332,8 @@ def main() -> None:
         table.append(row)
         everything[size] = runs
 
-    print("\n| model | TRL s/step | ours s/step | ratio ours/TRL | TRL tok/s | ours tok/s | TRL peak RSS | ours peak RSS |")
+    memory = "peak GPU mem" if args.device == "cuda" else "peak RSS"
+    print(f"\n| model | TRL s/step | ours s/step | ratio ours/TRL | TRL tok/s | ours tok/s | TRL {memory} | ours {memory} |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in table:
         t, o = r["trl"], r["ours"]
