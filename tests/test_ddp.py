@@ -169,3 +169,30 @@ def test_ddp_gradient_equals_one_process_holding_the_whole_batch(grpo_ddp_run):
             wrong = {n: (local[0][n] + local[1][n]) / 2 for n in grads}
             with pytest.raises(AssertionError):
                 _assert_grads_close(wrong, grads, "per-rank normaliser")
+
+
+def test_ddp_token_metrics_are_means_over_all_ranks_tokens(grpo_ddp_run):
+    """``train/entropy`` is the mean over both ranks' tokens, not the mean of the two per-rank means."""
+    _, out = grpo_ddp_run
+    from rl_lightning.algorithms import GRPO
+    from rl_lightning.models.policy import load_policy
+
+    pad_id = load_policy("embedded:arithmetic")[1].pad_token_id
+    module = GRPO(model_name_or_path="embedded:arithmetic")
+    step = 1  # the step whose ranks generated different token counts (checked above)
+    ranks = [_step(out, step, rank) for rank in (0, 1)]
+    module.policy.load_state_dict(ranks[0]["state"])
+    module.policy.train()
+
+    def entropy_sum_and_tokens(batch):
+        with torch.no_grad():
+            ent = module.forward_policy(batch, with_entropy=True).entropy
+        return float(ent.sum()), float(batch.loss_mask.sum())
+
+    parts = [entropy_sum_and_tokens(_concat([r["batch"]], pad_id)) for r in ranks]
+    assert parts[0][1] != parts[1][1]
+    global_mean = (parts[0][0] + parts[1][0]) / (parts[0][1] + parts[1][1])
+    mean_of_means = (parts[0][0] / parts[0][1] + parts[1][0] / parts[1][1]) / 2
+    assert ranks[0]["logged_entropy"] == ranks[1]["logged_entropy"]
+    assert ranks[0]["logged_entropy"] == pytest.approx(global_mean, rel=1e-5)
+    assert abs(global_mean - mean_of_means) > 1e-4 * global_mean  # the two readings really differ here

@@ -301,7 +301,8 @@ class RLModule(LightningModule):
         """Optimise on one rollout batch: μ iterations × minibatches × micro-batches (see the module docstring).
 
         Returns the metrics of every micro-batch/step, averaged by ``training_step``. ``train/sampler_logp_diff``
-        and ``train/entropy`` are measured on the first optimiser step's rows, before any update.
+        and ``train/entropy`` are measured on the first optimiser step's rows, before any update, as token
+        means over every rank's tokens.
         """
         optimizer = self.optimizers()
         weights = weights * self.num_minibatches  # each optimiser step at full-batch scale
@@ -343,9 +344,13 @@ class RLModule(LightningModule):
                 else:
                     optimizer.optimizer.step()
         optimizer.zero_grad()
-        tokens = torch.stack(first["tokens"]).sum().clamp(min=1.0)
-        stats["train/sampler_logp_diff"] = [torch.stack(first["diff"]).sum() / tokens]
-        stats["train/entropy"] = [torch.stack(first["entropy"]).sum() / tokens]
+        sums = torch.stack([torch.stack(first[k]).sum().float() for k in ("diff", "entropy", "tokens")])
+        if self._trainer is not None and self.trainer.world_size > 1:  # token means over all ranks' tokens
+            sums = self.trainer.strategy.reduce(sums, reduce_op="sum")
+        diff, entropy, tokens = sums.unbind()
+        tokens = tokens.clamp(min=1.0)
+        stats["train/sampler_logp_diff"] = [diff / tokens]
+        stats["train/entropy"] = [entropy / tokens]
         return stats
 
     def log_training_metrics(self, metrics: dict[str, Tensor], step: int, batch_size: int) -> None:

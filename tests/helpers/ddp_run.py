@@ -75,6 +75,7 @@ class Dump(Callback):
         self.prompt_index.append(sorted(set(batch.prompt_index.tolist())))
         self.loss.append(float(trainer.callback_metrics["train/loss"]))
         self.step["logged_loss"] = self.loss[-1]  # averaged over ranks by log_training_metrics
+        self.step["logged_entropy"] = float(trainer.callback_metrics["train/entropy"])
         torch.save(self.step, self.out / f"step{trainer.global_step - 1}_rank{trainer.global_rank}.pt")
 
     def on_train_end(self, trainer, pl_module) -> None:  # noqa: ANN001
