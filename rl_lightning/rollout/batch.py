@@ -7,12 +7,15 @@ Shapes: ``N`` rows (= prompts × ``group_size``; groups are contiguous), ``P`` p
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import Tensor
 
 from rl_lightning.envs.base import Prompt
+
+if TYPE_CHECKING:
+    from rl_lightning.rollout.generation import Generation
 
 Split = Literal["train", "val"]
 
@@ -124,6 +127,32 @@ class RolloutBatch:
     def response_lengths(self) -> Tensor:
         """``[N]`` number of model-generated tokens per row."""
         return self.loss_mask.sum(dim=1)
+
+    @classmethod
+    def from_generation(
+        cls, prompt_ids: Tensor, prompt_mask: Tensor, gen: Generation, *, rewards: Tensor, group_size: int,
+        prompt_index: Tensor, temperature: float, top_p: float, **fields: Any,
+    ) -> RolloutBatch:
+        """The batch of left-padded prompts ``[N, P]`` followed by an engine's ``Generation`` (``[N, T]``).
+
+        ``input_ids``/``attention_mask`` are prompt and response side by side, ``loss_mask`` is the
+        generation's mask (EOS included), ``sampler_logprobs`` its recorded log-probs; ``fields`` sets any
+        other field (texts, timings, optional tensors).
+        """
+        return cls(
+            input_ids=torch.cat([prompt_ids, gen.response_ids], dim=1),
+            attention_mask=torch.cat([prompt_mask, gen.mask], dim=1),
+            prompt_length=prompt_ids.shape[1],
+            loss_mask=gen.mask,
+            sampler_logprobs=gen.logprobs,
+            rewards=rewards,
+            group_size=group_size,
+            prompt_index=prompt_index,
+            truncated=gen.truncated,
+            temperature=temperature,
+            top_p=top_p,
+            **fields,
+        )
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> RolloutBatch:
         moved = {

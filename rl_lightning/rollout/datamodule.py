@@ -245,16 +245,11 @@ class RolloutDataModule(LightningDataModule):
         t2 = time.perf_counter()
         if train:
             self.cursor += 1
-        return RolloutBatch(
-            input_ids=torch.cat([prompt_ids, gen.response_ids], dim=1),
-            attention_mask=torch.cat([prompt_mask, gen.mask], dim=1),
-            prompt_length=prompt_ids.shape[1],
-            loss_mask=gen.mask,
-            sampler_logprobs=gen.logprobs,
+        return RolloutBatch.from_generation(
+            prompt_ids, prompt_mask, gen,
             rewards=rewards,
             group_size=group,
             prompt_index=torch.tensor(indices, dtype=torch.long, device=device),
-            truncated=gen.truncated,
             temperature=self.temperature,
             top_p=self.top_p,
             prompts=prompts,

@@ -35,21 +35,11 @@ def encode(tokenizer, texts: list[str], add_bos: bool = True) -> tuple[Tensor, T
 
 def batch_like_datamodule(prompt_ids: Tensor, prompt_mask: Tensor, gen: Generation, group_size: int,
                           temperature: float, top_p: float) -> RolloutBatch:
-    """The ``RolloutBatch`` that ``RolloutDataModule.rollout`` builds from a generation."""
+    """The ``RolloutBatch`` that ``RolloutDataModule.rollout`` builds from a generation (zero rewards)."""
     n = prompt_ids.shape[0]
-    return RolloutBatch(
-        input_ids=torch.cat([prompt_ids, gen.response_ids], dim=1),
-        attention_mask=torch.cat([prompt_mask, gen.mask], dim=1),
-        prompt_length=prompt_ids.shape[1],
-        loss_mask=gen.mask,
-        sampler_logprobs=gen.logprobs,
-        rewards=torch.zeros(n),
-        group_size=group_size,
-        prompt_index=torch.arange(n) // group_size,
-        truncated=gen.truncated,
-        temperature=temperature,
-        top_p=top_p,
-    )
+    return RolloutBatch.from_generation(prompt_ids, prompt_mask, gen, rewards=torch.zeros(n), group_size=group_size,
+                                        prompt_index=torch.arange(n) // group_size, temperature=temperature,
+                                        top_p=top_p)
 
 
 class ScriptedLM(nn.Module):

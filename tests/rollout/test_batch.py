@@ -157,3 +157,21 @@ def test_to_moves_every_tensor():
 def test_prompt_batch_to_is_identity():
     pb = PromptBatch("train", 3, [6, 7], [Prompt("a", "1"), Prompt("b", "2")])
     assert pb.to("meta") is pb
+
+
+def test_from_generation_puts_prompt_and_response_side_by_side():
+    from rl_lightning.rollout.generation import Generation
+
+    prompt_ids = torch.tensor([[0, 5, 6], [7, 8, 9]])
+    prompt_mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    gen = Generation(response_ids=torch.tensor([[3, 2], [4, 4]]), logprobs=torch.tensor([[-0.5, -0.1], [-1.0, -2.0]]),
+                     mask=torch.tensor([[1, 1], [1, 1]]), truncated=torch.tensor([False, True]))
+    batch = RolloutBatch.from_generation(prompt_ids, prompt_mask, gen, rewards=torch.tensor([1.0, 0.0]),
+                                         group_size=2, prompt_index=torch.tensor([4, 4]), temperature=0.7, top_p=0.9,
+                                         responses=["a", "b"])
+    assert batch.input_ids.tolist() == [[0, 5, 6, 3, 2], [7, 8, 9, 4, 4]]
+    assert batch.attention_mask.tolist() == [[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]]
+    assert batch.prompt_length == 3 and torch.equal(batch.response_ids, gen.response_ids)
+    assert torch.equal(batch.sampler_logprobs, gen.logprobs) and torch.equal(batch.loss_mask, gen.mask)
+    assert batch.truncated.tolist() == [False, True] and batch.responses == ["a", "b"]
+    assert (batch.temperature, batch.top_p, batch.group_size) == (0.7, 0.9, 2)
