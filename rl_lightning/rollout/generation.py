@@ -91,7 +91,7 @@ def sample(
     decoder = None
     if static_cache and cache is not None and supports(model):
         decoder = StaticDecoder.from_prefill(model, cache, attention_mask, max_new_tokens)
-        cache = None
+        cache = out = None  # the prompt's keys/values now live in the decoder's cache
     can_drop = drop_finished and (decoder is not None or callable(getattr(cache, "batch_select_indices", None)))
     rows = torch.arange(batch, device=device)  # original row of each row of the forward batch
     next_pos = positions[:, -1:] + 1
@@ -115,15 +115,16 @@ def sample(
         finished = finished | (token == eos_token_id)
         if bool(finished.all()) or step == max_new_tokens - 1:
             break
-        running = ~finished[rows]  # over the forward batch
-        still = int(running.sum())
-        if can_drop and still < rows.numel() and still <= compact_below * rows.numel():
-            keep = running.nonzero().squeeze(-1)
-            if decoder is not None:
-                decoder.select(keep)
-            else:
-                cache.batch_select_indices(keep)
-            rows, attention_mask, next_pos = rows[keep], attention_mask[keep], next_pos[keep]
+        if can_drop:
+            running = ~finished[rows]  # over the forward batch
+            still = int(running.sum())
+            if still < rows.numel() and still <= compact_below * rows.numel():
+                keep = running.nonzero().squeeze(-1)
+                if decoder is not None:
+                    decoder.select(keep)
+                else:
+                    cache.batch_select_indices(keep)
+                rows, attention_mask, next_pos = rows[keep], attention_mask[keep], next_pos[keep]
         if decoder is not None:  # finished rows' later logits are never used: no mask update needed
             logits = decoder.step(token[rows], next_pos)
         else:
