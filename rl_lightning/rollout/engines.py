@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from transformers import GenerationConfig
 
 from rl_lightning.functional.logprobs import sampling_log_softmax
-from rl_lightning.rollout.generation import DEFAULT_COMPACT_BELOW, Generation, sample
+from rl_lightning.rollout.generation import DEFAULT_COMPACT_BELOW, Generation, check_compact_below, sample
 
 
 class RolloutEngine(ABC):
@@ -51,10 +51,8 @@ class KVCacheEngine(RolloutEngine):
 
     def __init__(self, drop_finished: bool = True, compact_below: float = DEFAULT_COMPACT_BELOW,
                  static_cache: bool = True) -> None:
-        if not 0.0 <= compact_below <= 1.0:
-            raise ValueError(f"KVCacheEngine: compact_below must be in [0, 1], got {compact_below}")
         self.drop_finished = drop_finished
-        self.compact_below = compact_below
+        self.compact_below = check_compact_below(compact_below, "KVCacheEngine")
         self.static_cache = static_cache
 
     def generate(self, model, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id,  # noqa: ANN001

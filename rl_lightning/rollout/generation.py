@@ -31,6 +31,13 @@ class Generation:
 DEFAULT_COMPACT_BELOW = 0.75
 
 
+def check_compact_below(value: float, owner: str = "sample") -> float:
+    """``value`` if it is a valid ``compact_below`` (a fraction in [0, 1]); else a ``ValueError`` naming ``owner``."""
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{owner}: compact_below must be in [0, 1], got {value}")
+    return value
+
+
 def _cache_argument(model: nn.Module) -> str:
     """The forward keyword of the KV cache: ``cache`` (transformers >= 5.2x) or ``past_key_values`` (older)."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -78,8 +85,7 @@ def sample(
     decode steps run on ``StaticDecoder``: the same arithmetic on a pre-allocated KV cache without Hugging
     Face's per-step machinery. Other models, and ``static_cache=False``, use the model's own forward.
     """
-    if not 0.0 <= compact_below <= 1.0:
-        raise ValueError(f"compact_below must be in [0, 1], got {compact_below}")
+    check_compact_below(compact_below)
     batch = input_ids.shape[0]
     device = input_ids.device
     attention_mask = attention_mask.long()
