@@ -150,6 +150,13 @@ class RLModule(LightningModule):
     needs_entropy: bool = False
     #: ask ``forward_policy`` for the final hidden states (value heads on the policy backbone)
     needs_hidden: bool = False
+    #: loss metrics that are means over the micro-batch's ``loss_mask`` tokens; ``update`` logs each as the mean
+    #: over every token of the step's updates on every rank (weighted by token count), not as a mean of
+    #: per-micro-batch (or per-rank) means. A subclass adds its own names with ``RLModule.token_mean_metrics | {...}``.
+    token_mean_metrics: frozenset[str] = frozenset({
+        "train/clip_fraction", "train/clip_fraction_low", "train/clip_fraction_high", "train/ratio_mean",
+        "train/approx_kl", "train/value_clip_fraction", "train/logprob_mean", "train/advantage_mean", "train/kl",
+    })
 
     def check_datamodule(self, datamodule: Any) -> None:
         """Refuse data settings the method cannot use (called at setup). Default: accept everything."""
@@ -302,13 +309,15 @@ class RLModule(LightningModule):
 
         Returns the metrics of every micro-batch/step, averaged by ``training_step``. ``train/sampler_logp_diff``
         and ``train/entropy`` are measured on the first optimiser step's rows, before any update, as token
-        means over every rank's tokens.
+        means over every rank's tokens; the ``token_mean_metrics`` are token means over all the updates' tokens
+        on every rank.
         """
         optimizer = self.optimizers()
         weights = weights * self.num_minibatches  # each optimiser step at full-batch scale
         terms = self._loss_terms()
         stats: dict[str, list[Tensor]] = {}
         first: dict[str, list[Tensor]] = {"diff": [], "entropy": [], "tokens": []}
+        token_sums: dict[str, list[Tensor]] = {}  # per token-mean metric: [sum of value x tokens, tokens]
         steps_total = self.num_iterations * self.num_minibatches
         steps_done = 0
         for iteration in range(self.num_iterations):
@@ -332,8 +341,14 @@ class RLModule(LightningModule):
                     if loss.requires_grad:  # e.g. not while a callback has frozen every parameter
                         self.manual_backward(loss)
                     stats.setdefault("train/loss", []).append(loss.detach())
+                    tokens = mb.loss_mask.sum().float()
                     for key, value in loss_stats.items():
-                        stats.setdefault(key, []).append(value.detach().float())
+                        if key in self.token_mean_metrics:
+                            pair = token_sums.setdefault(key, [tokens.new_zeros(()), tokens.new_zeros(())])
+                            pair[0] = pair[0] + value.detach().float() * tokens
+                            pair[1] = pair[1] + tokens
+                        else:
+                            stats.setdefault(key, []).append(value.detach().float())
                 params = [p for p in self.trainable_parameters() if p.grad is not None]
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm or float("inf"))
                 self._check_finite(grad_norm, "gradient norm", iteration, index)
@@ -344,13 +359,17 @@ class RLModule(LightningModule):
                 else:
                     optimizer.optimizer.step()
         optimizer.zero_grad()
-        sums = torch.stack([torch.stack(first[k]).sum().float() for k in ("diff", "entropy", "tokens")])
+        names = sorted(token_sums)  # the same on every rank: which metrics a loss reports depends on config only
+        sums = torch.stack([torch.stack(first[k]).sum().float() for k in ("diff", "entropy", "tokens")]
+                           + [x.to(first["tokens"][0].device) for k in names for x in token_sums[k]])
         if self._trainer is not None and self.trainer.world_size > 1:  # token means over all ranks' tokens
             sums = self.trainer.strategy.reduce(sums, reduce_op="sum")
-        diff, entropy, tokens = sums.unbind()
+        diff, entropy, tokens = sums[:3].unbind()
         tokens = tokens.clamp(min=1.0)
         stats["train/sampler_logp_diff"] = [diff / tokens]
         stats["train/entropy"] = [entropy / tokens]
+        for key, (total, count) in zip(names, sums[3:].view(-1, 2)):
+            stats[key] = [total / count.clamp(min=1.0)]
         return stats
 
     def log_training_metrics(self, metrics: dict[str, Tensor], step: int, batch_size: int) -> None:
