@@ -16,9 +16,16 @@ from rl_lightning.rollout.batch import RolloutBatch
 class KLRegularizer(Callback):
     """A KL penalty for any method, through the ``LossTerm`` protocol of ``RLModule``.
 
-    The term is ``β · Σ_{i,t} w_{i,t} k(logπ_θ, logπ_target)`` with the method's own aggregation weights
-    ``w`` and the per-token estimator ``k`` (k1/k2/k3 of ``functional.kl_estimate``) evaluated at the
-    generated tokens (GRPO's KL-in-the-loss, spec 003 §6; Tinker-style KL to the sampler, spec 000).
+    The term is ``β · Σ_{i,t} w_{i,t} k_{i,t}`` with the method's own aggregation weights ``w`` and a per-token
+    estimator ``k`` (k1/k2/k3 of ``functional.kl_estimate``) evaluated at the generated tokens, in the
+    direction each target calls for:
+
+    * ``reference``: ``KL(π_θ || π_ref)`` estimated at tokens from ``π_old ≈ π_θ``,
+      ``k = kl_estimate(logπ_θ, logπ_ref)`` (GRPO's KL-in-the-loss, spec 003 §6; k3 by default);
+    * ``sampler``: ``KL(q || π_θ)`` at tokens drawn from the sampler ``q``, ``k = kl_estimate(log q, logπ_θ)``;
+      with k1 that is ``log q - logπ_θ``, Tinker's regulariser (spec 000, StableReinforce, "Official API and
+      KL"), which pulls the learner toward the sampler. Its expected gradient is ``∇ KL(q || π_θ)`` for k1
+      and k3.
 
     Args:
         beta: coefficient β; with ``0`` nothing is computed and no reference model is created.
@@ -63,7 +70,11 @@ class KLRegularizer(Callback):
         other = batch.sampler_logprobs if self.target == "sampler" else batch.ref_logprobs
         if other is None:
             raise RuntimeError("KLRegularizer: reference log-probs missing from the batch")
-        kl = kl_estimate(logprobs, other.detach(), self.estimator) * batch.loss_mask  # [n, T]
+        if self.target == "sampler":  # KL(q || p_θ) at tokens drawn from q: k1 = log q - log p_θ (spec 000)
+            kl = kl_estimate(other.detach(), logprobs, self.estimator)
+        else:  # KL(p_θ || π_ref) at tokens drawn from π_old ≈ p_θ (GRPO, spec 003 §6)
+            kl = kl_estimate(logprobs, other.detach(), self.estimator)
+        kl = kl * batch.loss_mask  # [n, T]
         term = self.beta * aggregate(kl, weights)
         with torch.no_grad():
             mean_kl = kl.sum() / batch.loss_mask.sum().clamp(min=1)

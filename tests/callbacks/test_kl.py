@@ -1,0 +1,66 @@
+"""``KLRegularizer``'s term has the direction and sign each target calls for, on hand-computed numbers."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rl_lightning.callbacks import KLRegularizer
+
+
+def _term(target: str, estimator: str, logp: torch.Tensor, other: torch.Tensor, beta: float = 1.0):
+    """The callback's term and logged KL for one row of tokens (token-mean weights)."""
+    mask = torch.ones_like(logp)
+    batch = SimpleNamespace(sampler_logprobs=other, ref_logprobs=other, loss_mask=mask)
+    weights = mask / mask.sum()
+    cb = KLRegularizer(beta=beta, estimator=estimator, target=target)
+    return cb.loss_term(None, batch, logp, weights)
+
+
+def test_kl_to_the_sampler_is_log_q_minus_log_p_and_pulls_toward_the_sampler():
+    # spec 000 (StableReinforce, "Official API and KL"): L_KL = beta * sum_t [log q - log p_theta]
+    logp = torch.tensor([[-1.2]], requires_grad=True)
+    logq = torch.tensor([[-0.5]])
+    term, stats = _term("sampler", "k1", logp, logq, beta=2.0)
+    assert float(term) == pytest.approx(2.0 * 0.7)
+    assert float(stats["train/kl"]) == pytest.approx(0.7)
+    term.backward()
+    assert float(logp.grad) == pytest.approx(-2.0)  # minimising raises log p of the sampler's token
+
+
+def test_k3_to_the_sampler_is_the_k3_of_kl_q_p():
+    logp, logq = torch.tensor([[-1.2]]), torch.tensor([[-0.5]])
+    term, _ = _term("sampler", "k3", logp, logq)
+    r = math.exp(-1.2 + 0.5)  # p / q at a token drawn from q
+    assert float(term) == pytest.approx(r - 1 - math.log(r))
+
+
+def test_kl_to_the_reference_keeps_grpos_direction():
+    # spec 003 §6: k3 of KL(pi_theta || pi_ref) with r = pi_ref / pi_theta at tokens from pi_old ~ pi_theta
+    logp, logref = torch.tensor([[-1.2]]), torch.tensor([[-0.5]])
+    term, _ = _term("reference", "k3", logp, logref)
+    r = math.exp(-0.5 + 1.2)
+    assert float(term) == pytest.approx(r - 1 - math.log(r))
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k3"])
+def test_kl_to_the_sampler_has_the_gradient_of_kl_q_p_in_expectation(estimator):
+    # Exact expectation over tokens a ~ q of a 3-token vocabulary: E_q[term] and E_q[d term / d logits].
+    q = torch.tensor([0.6, 0.3, 0.1])
+    logits = torch.log(torch.tensor([0.2, 0.3, 0.5])).requires_grad_(True)
+    logp_all = torch.log_softmax(logits, -1)
+    expected_term, expected_grad = torch.zeros(()), torch.zeros(3)
+    for a in range(3):
+        term, _ = _term("sampler", estimator, logp_all[a].reshape(1, 1), q[a].log().reshape(1, 1))
+        (grad,) = torch.autograd.grad(term, logits, retain_graph=True)
+        expected_term = expected_term + q[a] * term.detach()
+        expected_grad = expected_grad + q[a] * grad
+    p = logp_all.exp().detach()
+    kl_qp = float((q * (q.log() - p.log())).sum())
+    if estimator == "k1":
+        assert float(expected_term) == pytest.approx(kl_qp, rel=1e-5)  # unbiased for KL(q || p)
+    assert kl_qp > 0.4
+    torch.testing.assert_close(expected_grad, p - q, atol=1e-6, rtol=1e-5)  # grad of KL(q || p) wrt logits
