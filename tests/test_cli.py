@@ -83,11 +83,44 @@ def test_bad_fields_fail_before_training_with_the_field_named(override, needle, 
     assert not (tmp_path / "runs").exists()  # nothing ran
 
 
+def _error_lines(proc: subprocess.CompletedProcess) -> list[str]:
+    """The lines of stderr that are not progress bars or Lightning's start-up chatter."""
+    return [ln for ln in proc.stderr.splitlines() if ln.startswith("rl-lightning:") or "Traceback" in ln]
+
+
 def test_bad_model_path_gives_one_clear_line(tmp_path):
     proc = _cli("fit", "--config", str(REPO / "configs" / "grpo.yaml"),
                 "--model.init_args.model_name_or_path", str(tmp_path / "nope"), *TINY, cwd=tmp_path)
-    assert proc.returncode != 0
-    assert f"model_name_or_path='{tmp_path / 'nope'}': no such directory" in proc.stderr
+    assert proc.returncode == 2
+    assert _error_lines(proc) == [
+        f"rl-lightning: error in model (rl_lightning.algorithms.GRPO): model_name_or_path='{tmp_path / 'nope'}': "
+        "no such directory"
+    ]
+
+
+@pytest.mark.parametrize(
+    "override, line",
+    [(["--data.init_args.group_size", "-3"],  # checked when the data module is built
+      "rl-lightning: error in data (rl_lightning.rollout.RolloutDataModule): RolloutDataModule: invalid group_size=-3"),
+     (["--data.init_args.group_size", "1"],  # checked by the method at setup, inside Trainer.fit
+      "rl-lightning: error: GRPO needs data.group_size >= 2 (its baseline compares the responses to one prompt), "
+      "got 1")],
+)
+def test_bad_values_end_with_one_line_not_a_traceback(override, line, tmp_path):
+    proc = _cli("fit", "--config", str(REPO / "configs" / "grpo.yaml"), *TINY, *override, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert _error_lines(proc) == [line]
+
+
+def test_the_full_traceback_on_request(tmp_path):
+    env_proc = subprocess.run(
+        [sys.executable, "-m", "rl_lightning", "fit", "--config", str(REPO / "configs" / "grpo.yaml"), *TINY,
+         "--data.init_args.group_size", "-3"],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO), "RL_LIGHTNING_TRACEBACK": "1"},
+        capture_output=True, text=True, timeout=600)
+    assert env_proc.returncode == 1
+    assert "Traceback (most recent call last)" in env_proc.stderr
+    assert "invalid group_size=-3" in env_proc.stderr
 
 
 def test_short_fit_logs_the_fixed_metrics_and_resumes_from_last(tmp_path):
@@ -113,3 +146,20 @@ def test_short_fit_logs_the_fixed_metrics_and_resumes_from_last(tmp_path):
     acc.Reload()
     assert [e.step for e in acc.Scalars("train/reward")] == [2]  # only the one new step; no step-0 eval
     assert "val/reward" not in acc.Tags()["scalars"] or 0 not in [e.step for e in acc.Scalars("val/reward")]
+
+    # Resuming from a checkpoint file keeps the configuration's model settings (Lightning's default would
+    # replace them with the checkpoint's) and says which differ; another method's checkpoint is refused.
+    ckpt = tmp_path / "runs" / "grpo" / "checkpoints" / "last.ckpt"
+    proc = _cli("fit", "--config", str(REPO / "configs" / "grpo.yaml"), *more, "--ckpt_path", str(ckpt),
+                "--model", "rl_lightning.algorithms.RLOO", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert _error_lines(proc) == [
+        f"rl-lightning: error: --ckpt_path {ckpt} was written by rl_lightning.algorithms.GRPO, but the "
+        "configuration's model is rl_lightning.algorithms.RLOO: resume with the method (model.class_path) that "
+        "wrote it"]
+    more4 = [a if a != "2" or i != 1 else "4" for i, a in enumerate(TINY)]  # max_steps 4
+    proc = _cli("fit", "--config", str(REPO / "configs" / "grpo.yaml"), *more4, "--ckpt_path", str(ckpt),
+                "--model.init_args.clip_eps_high", "0.28", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "model.init_args.clip_eps_high: 0.2 in the checkpoint, 0.28 now" in proc.stderr
+    assert "clip_eps_high: 0.28" in (tmp_path / "runs" / "grpo" / "version_2" / "hparams.yaml").read_text()

@@ -33,7 +33,7 @@ def read_prompt_file(path: str | Path, require_answer: bool = True) -> list[Prom
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                record = json.loads(line.rstrip("\r\n"))  # so an error at the end of the line has its column
             except json.JSONDecodeError as err:
                 raise PromptFileError(f"{where}: invalid JSON ({err.msg} at column {err.colno})") from None
             if not isinstance(record, dict):

@@ -82,7 +82,7 @@ class RolloutDataModule(LightningDataModule):
             "prompts_per_step": prompts_per_step >= 1, "group_size": group_size >= 1,
             "max_new_tokens": max_new_tokens >= 1, "temperature": temperature > 0,
             "top_p": 0 < top_p <= 1, "sampler_sync_interval": sampler_sync_interval >= 1,
-            "val_batch_size": val_batch_size >= 1,
+            "val_batch_size": val_batch_size >= 1, "num_val_prompts": num_val_prompts is None or num_val_prompts >= 0,
         }
         for name, ok in checks.items():
             if not ok:

@@ -171,3 +171,10 @@ def test_jsonl_task_negative_num_heldout_raises(tmp_path):
     train = _write(tmp_path / "all.jsonl", _records(4))
     with pytest.raises(ValueError, match="num_heldout"):
         JsonlTask(str(train), num_heldout=-1)
+
+
+def test_invalid_json_at_the_end_of_a_line_reports_its_column(tmp_path):
+    line = '{"prompt": "12+13=", "answer": "25"'  # closing brace missing: the error is after the last character
+    path = _write(tmp_path / "bad.jsonl", [GOOD, line, GOOD])
+    with pytest.raises(PromptFileError, match=f"{path}:2: invalid JSON .* at column {len(line) + 1}"):
+        read_prompt_file(path)

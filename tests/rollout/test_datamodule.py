@@ -45,7 +45,7 @@ def _roundtrip(state):
 @pytest.mark.parametrize(
     ("name", "value"),
     [("prompts_per_step", 0), ("group_size", 0), ("max_new_tokens", 0), ("temperature", 0.0), ("top_p", 0.0),
-     ("top_p", 1.5), ("sampler_sync_interval", 0), ("val_batch_size", 0)],
+     ("top_p", 1.5), ("sampler_sync_interval", 0), ("val_batch_size", 0), ("num_val_prompts", -1)],
 )
 def test_invalid_arguments_name_the_field(name, value):
     with pytest.raises(ValueError, match=name):
