@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import Logger
 
 from rl_lightning.algorithms import GRPO
 from tests.conftest import RecordRollouts, tiny_datamodule, tiny_trainer
@@ -63,3 +65,58 @@ def test_resume_restores_the_lagged_sampler(tmp_path):
     assert resumed_rec.metrics[0]["train/sampler_logp_diff"] == straight_rec.metrics[2]["train/sampler_logp_diff"]
     for a, b in zip(straight.policy.parameters(), resumed.policy.parameters()):
         assert torch.equal(a, b)
+
+
+class _ValLog(Logger):
+    """Keeps every ``val/reward`` the module logs, by step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.val: dict[int, float] = {}
+
+    @property
+    def name(self) -> str:
+        return "val"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        if "val/reward" in metrics:
+            self.val[int(step)] = float(metrics["val/reward"])
+
+
+def test_resume_from_a_step_checkpoint_runs_that_steps_validation(tmp_path):
+    """A step checkpoint is written at the end of the training step, before that step's validation; the
+    resumed run logs the validation it would otherwise skip, with the uninterrupted run's value."""
+    validate = dict(limit_val_batches=None, val_check_interval=2, check_val_every_n_epoch=None)
+    straight = _ValLog()
+    tiny_trainer(tmp_path / "a", max_steps=4, logger=straight, **validate).fit(
+        _module(), datamodule=tiny_datamodule())
+    assert sorted(straight.val) == [0, 2, 4]
+
+    first = _ValLog()
+    steps = ModelCheckpoint(dirpath=tmp_path / "b", every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    tiny_trainer(tmp_path / "b", max_steps=2, logger=first, enable_checkpointing=True, callbacks=[steps],
+                 **validate).fit(_module(), datamodule=tiny_datamodule())
+    ckpt = tmp_path / "b" / "step=2.ckpt"
+    assert torch.load(ckpt, weights_only=False)["rl_lightning_val_step"] == 0  # written before step 2's validation
+
+    resumed = _ValLog()
+    tiny_trainer(tmp_path / "c", max_steps=4, logger=resumed, **validate).fit(
+        _module(), datamodule=tiny_datamodule(), ckpt_path=str(ckpt))
+    assert sorted(resumed.val) == [2, 4]
+    assert resumed.val == {2: straight.val[2], 4: straight.val[4]}
+
+    # a checkpoint written after the step's validation (here: at the end of fit) does not repeat it
+    again = _ValLog()
+    after = tiny_trainer(tmp_path / "d", max_steps=2, **validate)
+    after.fit(_module(), datamodule=tiny_datamodule())
+    after.save_checkpoint(tmp_path / "d" / "end.ckpt")
+    tiny_trainer(tmp_path / "e", max_steps=4, logger=again, **validate).fit(
+        _module(), datamodule=tiny_datamodule(), ckpt_path=str(tmp_path / "d" / "end.ckpt"))
+    assert sorted(again.val) == [4]

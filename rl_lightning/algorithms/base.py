@@ -128,6 +128,7 @@ class RLModule(LightningModule):
         self.policy.train()  # from_pretrained returns eval mode; Lightning toggles modes from here on
         self.automatic_optimization = False
         self.val_reward = MeanMetric()
+        self._val_step = -1  # the step of the last val/reward logged (-1: none yet); kept in checkpoints
 
     # ================================================================== hooks for methods
     @abstractmethod
@@ -413,11 +414,30 @@ class RLModule(LightningModule):
         self.log("val/reward", value, prog_bar=True, logger=False)
         if self.logger is not None and not self.trainer.sanity_checking:
             self.logger.log_metrics({"val/reward": float(value)}, step=self.global_step)
+        if not self.trainer.sanity_checking:
+            self._val_step = self.global_step
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["rl_lightning_val_step"] = self._val_step
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._val_step = int(checkpoint.get("rl_lightning_val_step", self._val_step))
 
     def on_train_start(self) -> None:
-        """Log ``val/reward`` at step 0 (the warm-start level) before the first update of a fresh run."""
+        """Log ``val/reward`` before training: at step 0 (the warm-start level) in a fresh run, and, on resume,
+        at the checkpoint's step when that step is a validation step whose validation had not run yet (step
+        checkpoints are written at the end of the training step, before its validation, which a resumed run
+        would otherwise skip)."""
         datamodule = getattr(self.trainer, "datamodule", None)
-        if self.global_step != 0 or datamodule is None or not hasattr(datamodule, "evaluate"):
+        if datamodule is None or not hasattr(datamodule, "evaluate"):
+            return
+        step, interval = self.global_step, self.trainer.val_check_interval
+        if step == 0:
+            when = "before any update"
+        elif (self._val_step != step and isinstance(interval, int) and interval > 0 and step % interval == 0
+              and self.trainer.limit_val_batches != 0):
+            when = "resumed from a checkpoint written before this step's validation"
+        else:
             return
         total, count = datamodule.evaluate()
         sums = torch.tensor([total, float(count)], device=self.device)
@@ -426,6 +446,7 @@ class RLModule(LightningModule):
             return  # no held-out prompts: nothing to report
         value = float(sums[0] / sums[1])
         if self.logger is not None:
-            self.logger.log_metrics({"val/reward": value}, step=0)
-        rank_zero_info(f"val/reward at step 0 (before any update): {value:.4f} on {int(sums[1])} held-out prompts")
+            self.logger.log_metrics({"val/reward": value}, step=step)
+        self._val_step = step
+        rank_zero_info(f"val/reward at step {step} ({when}): {value:.4f} on {int(sums[1])} held-out prompts")
 
