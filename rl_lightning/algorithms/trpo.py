@@ -318,6 +318,7 @@ class TRPO(RLModule):
                 "train/surrogate_improvement": [accepted[3] if accepted else zero],
                 "train/expected_improvement": [(g.double() @ full_step.double()).float()],
                 "train/surrogate": [s_old],
+                "train/loss": [-s_old],  # the fixed name: what the step lowers, at the weights before it
                 "train/grad_norm": [g.norm()],
                 "train/sampler_logp_diff": [masked_mean((logprobs - batch.sampler_logprobs).abs(), mask)],
                 "train/entropy": [masked_mean(entropy, mask)],

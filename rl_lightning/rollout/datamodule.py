@@ -228,12 +228,16 @@ class RolloutDataModule(LightningDataModule):
         model = self.sampler() if train else module.policy
         was_training = model.training
         model.eval()
-        gen = self.engine.generate(
-            model, prompt_ids, prompt_mask, self.max_new_tokens,
-            eos_token_id=module.tokenizer.eos_token_id, pad_token_id=module.tokenizer.pad_token_id,
-            temperature=self.temperature, top_p=self.top_p, greedy=not train,
-            generator=self._generator(device, batch.step) if train else None,
-        )
+        try:
+            gen = self.engine.generate(
+                model, prompt_ids, prompt_mask, self.max_new_tokens,
+                eos_token_id=module.tokenizer.eos_token_id, pad_token_id=module.tokenizer.pad_token_id,
+                temperature=self.temperature, top_p=self.top_p, greedy=not train,
+                generator=self._generator(device, batch.step) if train else None,
+            )
+        except FloatingPointError as err:
+            where = f"step {batch.step}" if train else f"validation after step {module.global_step}"
+            raise FloatingPointError(f"rollout at {where}: {err}") from err
         model.train(was_training)
         t1 = time.perf_counter()
         lengths = gen.mask.sum(dim=1).tolist()  # generated tokens per row (EOS included); padding follows

@@ -94,6 +94,9 @@ def sample(
                 logits_to_keep=1)
     cache_kw = _cache_argument(model)
     cache, logits = _returned_cache(out), out.logits[:, -1]
+    if not bool(torch.isfinite(logits).all()):
+        raise FloatingPointError("sample: the model's next-token logits for the prompts are not finite (NaN/inf): "
+                                 "its weights or activations have diverged")
     decoder = None
     if static_cache and cache is not None and supports(model):
         decoder = StaticDecoder.from_prefill(model, cache, attention_mask, max_new_tokens)

@@ -49,6 +49,7 @@ def test_accepted_step_stays_inside_the_trust_region_and_moves_the_weights(one_s
     assert metrics["train/surrogate_improvement"] > 0
     assert metrics["train/grad_norm"] > 0
     assert metrics["train/sampler_logp_diff"] < 1e-5  # on-policy: the learner reproduces the sampler
+    assert metrics["train/loss"] == -metrics["train/surrogate"]  # the fixed name every method logs
     after = _params(module)
     assert any(not torch.equal(keep.before[0][k], after[k]) for k in after)
     # Measure KL(π_old ‖ π_new) independently: full-vocab log-probs on the same batch at the new and old weights.

@@ -179,3 +179,25 @@ def test_greedy_is_deterministic_and_argmax_of_full_forward(modules, model_name)
     # recorded greedy log-probs are those of the temperature-scaled distribution
     want = sampling_log_softmax(pred, 0.7).gather(-1, g1.response_ids.unsqueeze(-1)).squeeze(-1)
     assert (want - g1.logprobs)[m].abs().max() < 1e-5
+
+
+def test_diverged_weights_stop_the_rollout_with_the_step_named(tmp_path):
+    from tests.conftest import tiny_datamodule, tiny_trainer
+
+    class Diverged(GRPO):  # what a huge learning rate can leave behind without a non-finite loss or gradient
+        def on_train_batch_end(self, outputs, batch, batch_idx):  # noqa: ANN001
+            if batch_idx == 0:  # after step 0's update
+                with torch.no_grad():
+                    self.policy.get_output_embeddings().weight.fill_(float("inf"))
+
+    module = Diverged(model_name_or_path="embedded:arithmetic")
+    ids, mask = encode(module.tokenizer, ROWS)
+    with torch.no_grad():
+        module.policy.get_output_embeddings().weight.fill_(float("nan"))
+    with pytest.raises(FloatingPointError, match="logits for the prompts are not finite"):
+        sample(module.policy.eval(), ids, mask, 4, eos_token_id=module.tokenizer.eos_token_id,
+               pad_token_id=module.tokenizer.pad_token_id)
+
+    module = Diverged(model_name_or_path="embedded:arithmetic")
+    with pytest.raises(FloatingPointError, match="rollout at step 1: sample: the model's next-token logits"):
+        tiny_trainer(tmp_path, max_steps=3).fit(module, datamodule=tiny_datamodule())
