@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Install rl_lightning into ./.venv (idempotent; a second run only checks).
-# On a machine without an NVIDIA GPU, torch comes from the CPU build `torch==2.13.0` first, so that
-# resolving the package's dependencies never pulls a multi-GB CUDA build.
+# On a machine without an NVIDIA GPU, the CPU build of `torch==2.13.0` is installed first, so that
+# resolving the package's dependencies never pulls a multi-GB CUDA build: a local wheel when pip's
+# find-links hold one (this project's machines), else from PyTorch's CPU index (PyPI's Linux wheel of the
+# same version depends on the CUDA libraries; `2.13.0+cpu` is preferred over it as the later version).
 set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON="${PYTHON:-python3}"
@@ -10,8 +12,10 @@ PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
     "${PIP[@]}" "torch>=2.4,<=2.14.1"
-  else
+  elif "${PIP[@]}" --no-index --no-deps --dry-run "torch==2.13.0" 2>/dev/null; then
     "${PIP[@]}" "torch==2.13.0"
+  else
+    "${PIP[@]}" --extra-index-url https://download.pytorch.org/whl/cpu "torch==2.13.0"
   fi
 fi
 "${PIP[@]}" -e ".[dev]"
