@@ -176,3 +176,9 @@ def test_gae_estimator_fits_the_critic_and_counts_one_step_per_rollout(tmp_path,
         assert 0 < metrics["train/kl_after_step"] <= module.delta + 1e-6
     assert not torch.equal(head_before, module.critic.head.proj.weight)  # the critic learned
     assert any(not torch.equal(before[k], v) for k, v in _params(module).items())  # and the policy moved
+
+
+def test_top_p_below_one_warns_that_the_trust_region_is_on_truncated_distributions(tmp_path):
+    with pytest.warns(UserWarning, match="top_p=0.9.*KL infinite"):
+        tiny_trainer(tmp_path, max_steps=1).fit(TRPO(model_name_or_path="embedded:arithmetic"),
+                                                datamodule=tiny_datamodule(top_p=0.9))
