@@ -158,6 +158,12 @@ class RLModule(LightningModule):
         "train/clip_fraction", "train/clip_fraction_low", "train/clip_fraction_high", "train/ratio_mean",
         "train/approx_kl", "train/value_clip_fraction", "train/logprob_mean", "train/advantage_mean", "train/kl",
     })
+    #: loss metrics computed with the step's aggregation weights: a micro-batch's value is its share of the
+    #: optimiser step's loss, so ``update`` logs their sum over each optimiser step's micro-batches (then the
+    #: mean over optimiser steps) and they do not depend on ``micro_batch_size``. ``train/loss`` always is one.
+    summed_metrics: frozenset[str] = frozenset({
+        "train/policy_loss", "train/value_loss", "train/kl_loss", "train/entropy_bonus",
+    })
 
     def check_datamodule(self, datamodule: Any) -> None:
         """Refuse data settings the method cannot use (called at setup). Default: accept everything."""
@@ -324,6 +330,7 @@ class RLModule(LightningModule):
         for iteration in range(self.num_iterations):
             for index, rows in enumerate(self._minibatches(batch.num_rows, iteration)):
                 optimizer.zero_grad()
+                step_sums: dict[str, Tensor] = {}  # summed metrics of this optimiser step
                 for micro in self._micro_batches(rows):
                     mb = batch.select(micro)
                     measure = steps_done == 0
@@ -341,15 +348,19 @@ class RLModule(LightningModule):
                     self._check_finite(loss.detach(), "loss", iteration, index)
                     if loss.requires_grad:  # e.g. not while a callback has frozen every parameter
                         self.manual_backward(loss)
-                    stats.setdefault("train/loss", []).append(loss.detach())
+                    step_sums["train/loss"] = step_sums.get("train/loss", 0.0) + loss.detach().float()
                     tokens = mb.loss_mask.sum().float()
                     for key, value in loss_stats.items():
-                        if key in self.token_mean_metrics:
+                        if key in self.summed_metrics:
+                            step_sums[key] = step_sums.get(key, 0.0) + value.detach().float()
+                        elif key in self.token_mean_metrics:
                             pair = token_sums.setdefault(key, [tokens.new_zeros(()), tokens.new_zeros(())])
                             pair[0] = pair[0] + value.detach().float() * tokens
                             pair[1] = pair[1] + tokens
                         else:
                             stats.setdefault(key, []).append(value.detach().float())
+                for key, value in step_sums.items():
+                    stats.setdefault(key, []).append(value)
                 params = [p for p in self.trainable_parameters() if p.grad is not None]
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm or float("inf"))
                 self._check_finite(grad_norm, "gradient norm", iteration, index)
@@ -398,7 +409,8 @@ class RLModule(LightningModule):
         return {
             "train/reward": rewards.mean(),
             "train/reward_std": rewards.std(unbiased=False),
-            "train/zero_std_fraction": (groups.std(dim=1, unbiased=False) == 0).float().mean(),
+            # max == min, not std == 0: the std of a constant group of fractional rewards need not be exactly 0
+            "train/zero_std_fraction": (groups.amax(dim=1) == groups.amin(dim=1)).float().mean(),
             "train/response_length": batch.response_lengths.float().mean(),
             "train/truncation_rate": batch.truncated.float().mean(),
         }
@@ -432,10 +444,11 @@ class RLModule(LightningModule):
         if datamodule is None or not hasattr(datamodule, "evaluate"):
             return
         step, interval = self.global_step, self.trainer.val_check_interval
+        if self.trainer.limit_val_batches == 0:
+            return  # validation switched off
         if step == 0:
             when = "before any update"
-        elif (self._val_step != step and isinstance(interval, int) and interval > 0 and step % interval == 0
-              and self.trainer.limit_val_batches != 0):
+        elif self._val_step != step and isinstance(interval, int) and interval > 0 and step % interval == 0:
             when = "resumed from a checkpoint written before this step's validation"
         else:
             return

@@ -20,6 +20,7 @@ from rl_lightning.functional import (
     aggregate,
     clipped_policy_loss,
     clipped_value_loss,
+    explained_variance,
     outcome_gae,
 )
 from rl_lightning.models.value import CriticMode, build_critic
@@ -114,6 +115,13 @@ class PPO(RLModule):
         return advantages
 
     @override
+    def update(self, batch: RolloutBatch, advantages: Tensor, weights: Tensor) -> dict[str, list[Tensor]]:
+        stats = super().update(batch, advantages, weights)
+        # of the values the advantages came from (V_old) against the returns, over the whole batch's tokens
+        stats["train/explained_variance"] = [explained_variance(batch.values, batch.returns, batch.loss_mask)]
+        return stats
+
+    @override
     def policy_loss(
         self, batch: RolloutBatch, out: PolicyOutput, advantages: Tensor, weights: Tensor
     ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -128,7 +136,6 @@ class PPO(RLModule):
             "train/clip_fraction": pg.clip_fraction, "train/clip_fraction_low": pg.clip_fraction_low,
             "train/clip_fraction_high": pg.clip_fraction_high, "train/approx_kl": pg.approx_kl,
             "train/ratio_mean": pg.ratio_mean, "train/value_clip_fraction": vs.value_clip_fraction,
-            "train/explained_variance": vs.explained_variance,
         }
         if self.entropy_coef > 0:
             entropy = aggregate(out.entropy, weights)
