@@ -178,7 +178,6 @@ class ValueLossStats(NamedTuple):
     """Detached diagnostics of ``clipped_value_loss``."""
 
     value_clip_fraction: Tensor  # tokens where the clipped branch was larger
-    explained_variance: Tensor
 
 
 def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
@@ -223,6 +222,5 @@ def clipped_value_loss(
         count = mask.sum().clamp(min=1.0)
         stats = ValueLossStats(
             value_clip_fraction=(clipped_wins & mask.bool()).sum() / count,
-            explained_variance=explained_variance(values.detach(), returns, mask),
         )
     return loss, stats
