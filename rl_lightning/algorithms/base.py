@@ -323,8 +323,11 @@ class RLModule(LightningModule):
         weights = weights * self.num_minibatches  # each optimiser step at full-batch scale
         terms = self._loss_terms()
         stats: dict[str, list[Tensor]] = {}
-        first: dict[str, list[Tensor]] = {"diff": [], "entropy": [], "tokens": []}
-        token_sums: dict[str, list[Tensor]] = {}  # per token-mean metric: [sum of value x tokens, tokens]
+        token_sums: dict[str, list[Tensor]] = {}  # per token-mean metric: [sum over its tokens, token count]
+
+        def add_tokens(key: str, total: Tensor, tokens: Tensor) -> None:
+            pair = token_sums.setdefault(key, [tokens.new_zeros(()), tokens.new_zeros(())])
+            pair[0], pair[1] = pair[0] + total, pair[1] + tokens
         steps_total = self.num_iterations * self.num_minibatches
         steps_done = 0
         for iteration in range(self.num_iterations):
@@ -336,10 +339,11 @@ class RLModule(LightningModule):
                     measure = steps_done == 0
                     out = self.forward_policy(mb, with_entropy=measure or self.needs_entropy,
                                               with_hidden=self.needs_hidden)
+                    tokens = mb.loss_mask.sum().float()
                     if measure:  # before any update: the learner vs the sampler that drew the tokens
-                        first["diff"].append(((out.logprobs.detach() - mb.sampler_logprobs).abs() * mb.loss_mask).sum())
-                        first["entropy"].append(out.entropy.detach().sum())
-                        first["tokens"].append(mb.loss_mask.sum())
+                        diff = (out.logprobs.detach() - mb.sampler_logprobs).abs() * mb.loss_mask
+                        add_tokens("train/sampler_logp_diff", diff.sum().float(), tokens)
+                        add_tokens("train/entropy", out.entropy.detach().sum().float(), tokens)
                     loss, loss_stats = self.policy_loss(mb, out, advantages[micro], weights[micro])
                     for term in terms:
                         extra, extra_stats = term.loss_term(self, mb, out.logprobs, weights[micro])
@@ -349,14 +353,11 @@ class RLModule(LightningModule):
                     if loss.requires_grad:  # e.g. not while a callback has frozen every parameter
                         self.manual_backward(loss)
                     step_sums["train/loss"] = step_sums.get("train/loss", 0.0) + loss.detach().float()
-                    tokens = mb.loss_mask.sum().float()
                     for key, value in loss_stats.items():
                         if key in self.summed_metrics:
                             step_sums[key] = step_sums.get(key, 0.0) + value.detach().float()
                         elif key in self.token_mean_metrics:
-                            pair = token_sums.setdefault(key, [tokens.new_zeros(()), tokens.new_zeros(())])
-                            pair[0] = pair[0] + value.detach().float() * tokens
-                            pair[1] = pair[1] + tokens
+                            add_tokens(key, value.detach().float() * tokens, tokens)
                         else:
                             stats.setdefault(key, []).append(value.detach().float())
                 for key, value in step_sums.items():
@@ -372,15 +373,10 @@ class RLModule(LightningModule):
                     optimizer.optimizer.step()
         optimizer.zero_grad()
         names = sorted(token_sums)  # the same on every rank: which metrics a loss reports depends on config only
-        sums = torch.stack([torch.stack(first[k]).sum().float() for k in ("diff", "entropy", "tokens")]
-                           + [x.to(first["tokens"][0].device) for k in names for x in token_sums[k]])
+        sums = torch.stack([x for key in names for x in token_sums[key]])
         if self._trainer is not None and self.trainer.world_size > 1:  # token means over all ranks' tokens
             sums = self.trainer.strategy.reduce(sums, reduce_op="sum")
-        diff, entropy, tokens = sums[:3].unbind()
-        tokens = tokens.clamp(min=1.0)
-        stats["train/sampler_logp_diff"] = [diff / tokens]
-        stats["train/entropy"] = [entropy / tokens]
-        for key, (total, count) in zip(names, sums[3:].view(-1, 2)):
+        for key, (total, count) in zip(names, sums.view(-1, 2)):
             stats[key] = [total / count.clamp(min=1.0)]
         return stats
 
