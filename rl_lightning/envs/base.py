@@ -7,6 +7,7 @@ A task is addressed by a *stream index*: ``task.train_prompt(i)`` is a pure func
 from __future__ import annotations
 
 import math
+import numbers
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +27,10 @@ class RewardFunction(ABC):
 
     @abstractmethod
     def __call__(self, prompt: Prompt, response: str) -> float:
-        """Return the scalar reward of ``response`` (the decoded generated text, without EOS) to ``prompt``."""
+        """Return the scalar reward of ``response`` (the decoded generated text, without EOS) to ``prompt``.
+
+        Any real number will do: a Python ``int``/``float``/``bool``, a NumPy scalar, or a 0-dim tensor/array.
+        """
 
 
 class ExactMatchReward(RewardFunction):
@@ -47,23 +51,49 @@ class ExactMatchReward(RewardFunction):
 
 
 class RewardError(RuntimeError):
-    """A reward function raised: the message names the prompt and the response that broke it."""
+    """A reward function raised or returned no finite real number: the message names the prompt and response."""
+
+
+def _reward_name(reward_fn: RewardFunction) -> str:
+    """A plain function's own name, else the reward object's class name."""
+    return getattr(reward_fn, "__qualname__", None) or type(reward_fn).__name__
+
+
+def _real_number(value: object) -> float | None:
+    """``value`` as a float if it is one real number, else ``None``.
+
+    Real numbers are ``numbers.Real`` (``int``, ``float``, ``bool``, NumPy's numeric scalars) and anything
+    0-dimensional whose ``item()`` is one (a 0-dim tensor or array). Strings (``"1"``), ``None``, sequences,
+    multi-element tensors and complex numbers are not: ``float()`` would accept some of them silently.
+    """
+    if not isinstance(value, numbers.Real) and getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+        value = value.item()
+    return float(value) if isinstance(value, numbers.Real) else None
+
+
+def _short_repr(value: object, limit: int = 200) -> str:
+    text = " ".join(repr(value).split())  # one line, even for a tensor's repr
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def score(reward_fn: RewardFunction, prompt: Prompt, response: str) -> float:
-    """Call ``reward_fn`` and turn any exception or non-finite value into a ``RewardError`` naming the inputs."""
+    """Call ``reward_fn`` and turn any exception, non-number or non-finite value into a ``RewardError`` naming
+    the reward function and the inputs."""
+    inputs = f"(prompt={prompt.text!r}, response={response!r})"
     try:
-        value = float(reward_fn(prompt, response))
+        returned = reward_fn(prompt, response)
     except Exception as err:  # noqa: BLE001 - re-raised with context, never swallowed
         raise RewardError(
-            f"reward function {type(reward_fn).__name__} raised {type(err).__name__}: {err} "
-            f"(prompt={prompt.text!r}, response={response!r})"
+            f"reward function {_reward_name(reward_fn)} raised {type(err).__name__}: {err} {inputs}"
         ) from err
-    if not math.isfinite(value):
+    value = _real_number(returned)
+    if value is None:
         raise RewardError(
-            f"reward function {type(reward_fn).__name__} returned {value} "
-            f"(prompt={prompt.text!r}, response={response!r})"
+            f"reward function {_reward_name(reward_fn)} returned {type(returned).__name__} "
+            f"{_short_repr(returned)}, not a real number {inputs}"
         )
+    if not math.isfinite(value):
+        raise RewardError(f"reward function {_reward_name(reward_fn)} returned {value} {inputs}")
     return value
 
 

@@ -7,7 +7,9 @@
 * ``"embedded:random"`` -- the same architecture with fresh random weights (for tests and benchmarks);
 * a local directory holding a Hugging Face checkpoint (``config.json`` + weights + tokenizer files).
 
-Nothing is ever downloaded: loading uses ``local_files_only=True``.
+Nothing is ever downloaded: loading uses ``local_files_only=True``. Every tokenizer is checked at load: it must
+encode text to tokens and have an EOS token (a directory without tokenizer files is refused: Hugging Face would
+otherwise build an empty tokenizer for some architectures, which encodes every prompt to ``[]``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 from transformers import PreTrainedTokenizerBase
 
@@ -25,6 +28,10 @@ from rl_lightning.models.tokenizer import build_char_tokenizer
 ASSETS = Path(__file__).parent / "assets"
 EMBEDDED_PREFIX = "embedded:"
 DType = Literal["float32", "bfloat16", "float16"]
+#: files that hold a tokenizer's vocabulary (``tokenizer_config.json`` alone holds none); globs allowed
+TOKENIZER_VOCAB_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "*.model", "*.tiktoken")
+#: encoded by every tokenizer at load: a usable one turns it into at least one token
+TOKENIZER_SAMPLE_TEXT = "Hello 1+1="
 
 
 def tiny_llama_config(
@@ -93,19 +100,54 @@ def resolve_model_path(model_name_or_path: str) -> Path | None:
     return path
 
 
+def check_tokenizer_files(model_name_or_path: str, path: Path) -> None:
+    """Refuse a checkpoint directory without a tokenizer vocabulary (one ``FileNotFoundError`` line naming it)."""
+    if any(next(path.glob(pattern), None) is not None for pattern in TOKENIZER_VOCAB_FILES):
+        return
+    config = "tokenizer_config.json holds no vocabulary; " if (path / "tokenizer_config.json").is_file() else ""
+    raise FileNotFoundError(
+        f"model_name_or_path={model_name_or_path!r}: no tokenizer in {path}: {config}missing tokenizer.json "
+        f"and any vocabulary file ({', '.join(TOKENIZER_VOCAB_FILES[1:])}); save the tokenizer next to the "
+        f"weights (tokenizer.save_pretrained)"
+    )
+
+
+def check_tokenizer(model_name_or_path: str, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Refuse a tokenizer that encodes a sample text to no tokens or has no EOS token (one ``ValueError`` line)."""
+    where = (f"model_name_or_path={model_name_or_path!r}: the tokenizer ({type(tokenizer).__name__}, "
+             f"{len(tokenizer)} tokens)")
+    if not tokenizer(TOKENIZER_SAMPLE_TEXT, add_special_tokens=False)["input_ids"]:
+        raise ValueError(f"{where} encodes {TOKENIZER_SAMPLE_TEXT!r} to no tokens: its vocabulary is empty or broken")
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"{where} has no EOS token, so responses could never end: set eos_token in its "
+                         f"tokenizer_config.json")
+
+
+def ensure_pad_token(model_name_or_path: str, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Pad with EOS when the tokenizer has no pad token (padding is masked out, so any id will do), and say so."""
+    if tokenizer.pad_token_id is not None:
+        return
+    tokenizer.pad_token = tokenizer.eos_token
+    rank_zero_info(f"model_name_or_path={model_name_or_path!r}: the tokenizer has no pad token; padding with "
+                   f"EOS ({tokenizer.eos_token!r}, id {tokenizer.eos_token_id})")
+
+
 def load_policy(
     model_name_or_path: str, dtype: DType = "float32"
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a causal LM and its tokenizer, offline, and make sure a pad token exists.
+    """Load a causal LM and its tokenizer, offline, check the tokenizer, and make sure a pad token exists.
 
     Raises:
         FileNotFoundError: one line naming ``model_name_or_path`` when the directory is missing or holds no
-            loadable model.
+            loadable model or no tokenizer files.
+        ValueError: one line naming ``model_name_or_path`` when the tokenizer encodes a sample text to no
+            tokens or has no EOS token.
     """
     torch_dtype = getattr(torch, dtype)
     path = resolve_model_path(model_name_or_path)
     if path is None:
         model, tokenizer = build_tiny_policy()
+        check_tokenizer(model_name_or_path, tokenizer)
         return model.to(torch_dtype), tokenizer
     if not path.is_dir():
         raise FileNotFoundError(f"model_name_or_path={model_name_or_path!r}: no such directory")
@@ -114,6 +156,7 @@ def load_policy(
             f"model_name_or_path={model_name_or_path!r}: not a Hugging Face checkpoint directory "
             f"(no config.json in {path})"
         )
+    check_tokenizer_files(model_name_or_path, path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch_dtype)
@@ -122,7 +165,7 @@ def load_policy(
         raise FileNotFoundError(
             f"model_name_or_path={model_name_or_path!r}: could not load a causal LM from {path}: {first_line}"
         ) from None
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    check_tokenizer(model_name_or_path, tokenizer)
+    ensure_pad_token(model_name_or_path, tokenizer)
     tokenizer.padding_side = "left"
     return model, tokenizer

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
+import torch
 
 from rl_lightning.envs import ExactMatchReward, Prompt, RewardError, RewardFunction, score
 
@@ -91,3 +93,49 @@ def test_non_finite_reward_raises(bad):
         score(Bad(), Prompt("9+9=", "18"), "17")
     msg = str(info.value)
     assert "9+9=" in msg and "17" in msg
+
+
+class Returns(RewardFunction):
+    """A reward function that returns a fixed value, whatever the response."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __call__(self, prompt, response):
+        return self.value
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [(1, 1.0), (0.25, 0.25), (True, 1.0), (False, 0.0), (np.float32(0.5), 0.5), (np.int64(-2), -2.0),
+     (np.bool_(True), 1.0), (np.array(0.75), 0.75), (torch.tensor(0.5), 0.5), (torch.tensor(3), 3.0),
+     (torch.tensor(True), 1.0)],
+)
+def test_score_accepts_real_numbers(value, expected):
+    got = score(Returns(value), P, "85")
+    assert got == expected and type(got) is float
+
+
+@pytest.mark.parametrize(
+    ("value", "type_name"),
+    [("1", "str"), ("0.5", "str"), (None, "NoneType"), ([1.0], "list"), ((1.0,), "tuple"), ({"r": 1.0}, "dict"),
+     (torch.tensor([1.0]), "Tensor"), (torch.ones(2, 2), "Tensor"), (np.array([1.0, 0.0]), "ndarray"),
+     (np.str_("1"), "str_"), (1 + 0j, "complex")],
+)
+def test_score_refuses_what_is_not_a_real_number(value, type_name):
+    """``float()`` would take ``"1"`` as 1.0 (and a one-element list or tensor): a reward bug, not a reward."""
+    with pytest.raises(RewardError) as info:
+        score(Returns(value), Prompt("12+13=", "25"), "25 oops")
+    msg = str(info.value)
+    assert "\n" not in msg, msg  # one line, even for a 2x2 tensor's repr
+    assert "Returns" in msg and f"returned {type_name} " in msg and "not a real number" in msg
+    assert " ".join(repr(value).split()) in msg
+    assert "12+13=" in msg and "25 oops" in msg
+
+
+def test_score_names_a_plain_function():
+    def my_reward(prompt, response):
+        return "1"
+
+    with pytest.raises(RewardError, match="reward function .*my_reward returned str '1'"):
+        score(my_reward, P, "85")

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+import shutil
 import string
 
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaForCausalLM, PreTrainedTokenizerFast
+from tokenizers import Tokenizer, models
+from transformers import AutoTokenizer, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from rl_lightning.models import build_char_tokenizer, build_tiny_policy, load_policy, resolve_model_path
 from rl_lightning.models.policy import ASSETS
@@ -136,7 +139,16 @@ def test_local_checkpoint_loads_via_path(tmp_path):
     assert torch.equal(again.lm_head.weight, model.lm_head.weight)
 
 
-def test_local_checkpoint_without_pad_token_pads_with_eos(tmp_path):
+@pytest.fixture
+def lightning_logs(caplog, monkeypatch):
+    """``caplog`` that also sees ``rank_zero_info`` (logger ``lightning.pytorch.utilities.rank_zero``), whose
+    parent ``lightning.pytorch`` stops propagation when it was imported before the root logger had handlers."""
+    monkeypatch.setattr(logging.getLogger("lightning.pytorch"), "propagate", True)
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        yield caplog
+
+
+def test_local_checkpoint_without_pad_token_pads_with_eos(tmp_path, lightning_logs):
     model, tok = build_tiny_policy(num_layers=1, hidden_size=32, num_heads=2, intermediate_size=64)
     tok.pad_token = None
     tok.padding_side = "right"
@@ -145,6 +157,75 @@ def test_local_checkpoint_without_pad_token_pads_with_eos(tmp_path):
     _, loaded_tok = load_policy(str(tmp_path))
     assert loaded_tok.pad_token_id == loaded_tok.eos_token_id == 2
     assert loaded_tok.padding_side == "left"
+    said = [r.getMessage() for r in lightning_logs.records if "pad token" in r.getMessage()]
+    assert len(said) == 1, lightning_logs.records  # stated once, at INFO: the user sees it
+    assert str(tmp_path) in said[0] and "no pad token" in said[0] and "EOS" in said[0] and "id 2" in said[0]
+
+
+def test_pad_token_present_is_not_mentioned(tmp_path, lightning_logs):
+    model, tok = build_tiny_policy(num_layers=1, hidden_size=32, num_heads=2, intermediate_size=64)
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    load_policy(str(tmp_path))
+    assert not [r for r in lightning_logs.records if "pad token" in r.getMessage()]
+
+
+def _save_weights_only(path) -> None:
+    """The embedded warm start's config and weights, without its tokenizer files."""
+    path.mkdir(exist_ok=True)
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(ASSETS / "arithmetic" / name, path / name)
+
+
+def test_directory_without_tokenizer_files_is_refused(tmp_path):
+    _save_weights_only(tmp_path)
+    with pytest.raises(FileNotFoundError) as info:
+        load_policy(str(tmp_path))
+    _assert_one_line_naming_path(info.value, str(tmp_path))
+    assert "tokenizer.json" in str(info.value) and "vocab.json" in str(info.value)
+
+
+def test_tokenizer_config_without_vocabulary_is_refused(tmp_path):
+    _save_weights_only(tmp_path)
+    shutil.copy(ASSETS / "arithmetic" / "tokenizer_config.json", tmp_path / "tokenizer_config.json")
+    with pytest.raises(FileNotFoundError) as info:
+        load_policy(str(tmp_path))
+    _assert_one_line_naming_path(info.value, str(tmp_path))
+    assert "tokenizer_config.json holds no vocabulary" in str(info.value)
+
+
+def test_architecture_whose_tokenizer_builds_empty_is_refused(tmp_path):
+    """For Qwen2 (or GPT-2) configs Hugging Face builds an empty tokenizer from no files: vocab 1, text -> []."""
+    config = Qwen2Config(vocab_size=99, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64, eos_token_id=2)
+    Qwen2ForCausalLM(config).save_pretrained(tmp_path)
+    empty = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
+    assert empty("1+1=", add_special_tokens=False)["input_ids"] == []  # what would train silently
+    with pytest.raises(FileNotFoundError) as info:
+        load_policy(str(tmp_path))
+    _assert_one_line_naming_path(info.value, str(tmp_path))
+    assert "tokenizer.json" in str(info.value)
+
+
+def test_tokenizer_that_encodes_text_to_nothing_is_refused(tmp_path):
+    model, _ = build_tiny_policy(num_layers=1, hidden_size=32, num_heads=2, intermediate_size=64)
+    empty = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE()), eos_token="<eos>", pad_token="<eos>")
+    assert empty("Hello", add_special_tokens=False)["input_ids"] == []
+    model.save_pretrained(tmp_path)
+    empty.save_pretrained(tmp_path)  # a tokenizer.json is there, but with an empty vocabulary
+    with pytest.raises(ValueError, match="encodes .* to no tokens") as info:
+        load_policy(str(tmp_path))
+    _assert_one_line_naming_path(info.value, str(tmp_path))
+
+
+def test_tokenizer_without_eos_is_refused(tmp_path):
+    model, tok = build_tiny_policy(num_layers=1, hidden_size=32, num_heads=2, intermediate_size=64)
+    tok.eos_token = None
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="no EOS token") as info:
+        load_policy(str(tmp_path))
+    _assert_one_line_naming_path(info.value, str(tmp_path))
 
 
 def _assert_one_line_naming_path(err: BaseException, path: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import torch
@@ -31,6 +32,70 @@ def encode(tokenizer, texts: list[str], add_bos: bool = True) -> tuple[Tensor, T
         for t in texts
     ]
     return left_pad(rows, tokenizer.pad_token_id)
+
+
+#: unit roundoff of float32: every rounded operation has relative error at most u = eps / 2 = 2^-24
+FP32_UNIT_ROUNDOFF = torch.finfo(torch.float32).eps / 2
+
+
+def fp32_logprob_tolerance(logit_scale: float, temperature: float, vocab_size: int, num_layers: int,
+                           hidden_size: int, intermediate_size: int, head_dim: int, context_length: int) -> float:
+    """How far two float32 computations of the same sampling log-prob may differ by rounding alone.
+
+    The sampler scores token ``t`` from logits ``z`` of an incremental KV-cache decode, the learner from one full
+    forward: the same arithmetic through different kernels and reduction orders (which also differ between
+    CPUs: AVX2 and AVX-512 kernels split a dot product into different partial sums). Nothing here is fitted to
+    a machine; it is a first-order rounding estimate from the quantities below, ``u = 2^-24`` the float32 unit
+    roundoff and ``S`` (``logit_scale``) the largest ``Σ_i |W_vi h_i|`` of the LM head ``z_v = Σ_i W_vi h_i``
+    over the scored positions and the vocabulary (so ``max|z| <= S``).
+
+    1. Logits. A float32 sum of ``n`` terms carries a rounding error of about ``sqrt(n) · u · Σ|terms|`` (the
+       probabilistic bound of Higham & Mary, 2019; the worst case ``n · u`` assumes every rounding has the same
+       sign). The relative errors of the reductions in series before the head add in quadrature, so the final
+       hidden state carries a relative error of about ``sqrt(K) · u`` per element, which the head turns into
+       ``|Δz_v| <= sqrt(K) · u · Σ_i |W_vi h_i| <= sqrt(K) · u · S`` (its own sum of ``hidden_size`` terms is
+       counted in ``K``). ``K`` is the accumulated reduction length along the forward: per layer the two RMS
+       norms, the q/k/v projections, the o projection and the gate/up projections (``hidden_size`` each:
+       ``4 · hidden_size`` in series), the down projection (``intermediate_size``), the attention scores
+       (``head_dim``) and the softmax sum and weighted sum over the context (``2 · context_length``); then the
+       final norm and the head (``2 · hidden_size``). The two paths round independently:
+       ``|Δz| <= 2 · sqrt(K) · u · S``.
+    2. Temperature. ``log p_t = z_t / T - logsumexp(z / T)`` and ``|Δ logsumexp(z / T)| <= max|Δz| / T``, so
+       ``|Δ log p| <= 2 · max|Δz| / T``: a low temperature amplifies logit errors by ``1 / T``. (Top-p adds no
+       rounding term: it only masks logits, and the sampled token stays in the support.)
+    3. The log-softmax itself, in each path (``s = z / T``, ``m = max s``, ``ℓ = s - m - log Σ exp(s - m)``):
+       the division (``u · S / T``), ``s - m`` (``u · 2 S / T``), the exponentials and their sum of ``V``
+       terms (``(1 + sqrt(V)) · u`` relative, the same absolute after the log), the log (``u · log V``) and
+       the last subtraction (``u · |ℓ| <= u · (2 S / T + log V)``):
+       ``2 · u · (5 · S / T + sqrt(V) + 2 · log V + 1)`` for the two paths.
+
+    It does not cover a top-p nucleus whose boundary token flips between the paths (that changes the log-prob
+    by the token's probability mass), nor low-precision dtypes (``u`` is float32's).
+
+    Args:
+        logit_scale: ``S = max Σ_i |W_vi h_i|`` (``model_logprob_tolerance`` computes it).
+        temperature: the sampler's temperature ``T``.
+        vocab_size: ``V``.
+        num_layers, hidden_size, intermediate_size, head_dim: the decoder's shape.
+        context_length: the longest sequence attended over (prompt plus response).
+    """
+    u = FP32_UNIT_ROUNDOFF
+    depth = num_layers * (4 * hidden_size + intermediate_size + head_dim + 2 * context_length) + 2 * hidden_size
+    logit_diff = 2 * math.sqrt(depth) * u * logit_scale
+    log_softmax_rounding = 2 * u * (5 * logit_scale / temperature + math.sqrt(vocab_size)
+                                    + 2 * math.log(vocab_size) + 1)
+    return 2 * logit_diff / temperature + log_softmax_rounding
+
+
+def model_logprob_tolerance(model: nn.Module, hidden: Tensor, temperature: float, context_length: int) -> float:
+    """``fp32_logprob_tolerance`` for a Hugging Face decoder: its config, and ``S`` from its LM head's weight and
+    the final (normed) hidden states ``hidden [..., H]`` of the scored positions."""
+    cfg = model.config
+    head = model.get_output_embeddings().weight.detach().float()
+    scale = float((hidden.detach().float().abs() @ head.abs().T).max())
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return fp32_logprob_tolerance(scale, temperature, cfg.vocab_size, cfg.num_hidden_layers, cfg.hidden_size,
+                                  cfg.intermediate_size, head_dim, context_length)
 
 
 def batch_like_datamodule(prompt_ids: Tensor, prompt_mask: Tensor, gen: Generation, group_size: int,
