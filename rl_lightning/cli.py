@@ -1,17 +1,22 @@
 """The ``rl-lightning`` command: ``LightningCLI`` with any ``RLModule`` and any ``RolloutDataModule``.
 
-    rl-lightning fit --config configs/grpo.yaml [--trainer.max_steps 20] [--print_config]
+    rl-lightning fit --config configs/grpo.yaml [--trainer.max_steps 20] [--print_config] [--ckpt_path last]
+    rl-lightning replay runs/grpo/version_0/failures/step_000057 [--pdb]
 
-Two things differ from a plain ``LightningCLI``:
+What it adds to a plain ``LightningCLI``:
 
-* A configuration error found by the library's own checks (a bad value, a missing model directory, a
-  malformed prompt file, a data setting the method cannot use) ends the command with one line naming the
-  config section and the problem, exit status 2, instead of the chained tracebacks ``jsonargparse`` and
-  Lightning wrap it in. ``RL_LIGHTNING_TRACEBACK=1`` shows the full traceback.
-* ``--ckpt_path FILE`` resumes with the configuration given, not with the hyperparameters stored in the
-  checkpoint (Lightning's default silently replaces the ``model`` section with them, so command-line
-  overrides of ``model.init_args.*`` had no effect). Settings that differ from the checkpoint's are listed
-  in a warning; a checkpoint of another method is refused.
+* **One run, one directory** (see ``rl_lightning.runs``): logs, ``config.yaml``, ``checkpoints/`` and
+  ``failures/`` of a run live in its logger directory; ``--ckpt_path last`` / a run directory / a file resumes
+  that run into the same directory (TensorBoard events after the checkpoint's step are purged); a checkpoint of
+  another method, model or task is refused; a fresh run never writes into a directory that holds one.
+* **Nothing lost**: checkpoint writes are atomic, SIGINT/SIGTERM write ``last.ckpt`` of the last completed step
+  (``GracefulInterrupt``), a failing step is dumped for ``rl-lightning replay`` (``FailureDump``).
+* **One line for every user error**: configuration errors (unknown keys -- all of them, with the closest valid
+  name --, wrong types, bad values, bad checkpoints) exit with status 2, runtime failures (a reward function
+  that raises, a non-finite loss) with status 1; ``RL_LIGHTNING_TRACEBACK=1`` shows the traceback.
+* ``--ckpt_path FILE`` resumes with the configuration given, not the hyperparameters stored in the checkpoint
+  (settings that differ are listed in a warning).
+* The optimiser is set in one place, ``model.init_args.optimizer`` (the top-level ``--optimizer`` is refused).
 """
 
 from __future__ import annotations
@@ -19,59 +24,237 @@ from __future__ import annotations
 import os
 import re
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
-from lightning.pytorch.cli import LightningCLI
+from jsonargparse import Namespace
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 import rl_lightning
-
+from rl_lightning import runs
 from rl_lightning.algorithms.base import RLModule
+from rl_lightning.callbacks.safety import (
+    AtomicCheckpointIO, FailureDump, GracefulInterrupt, RunInterrupted, checkpoint_dir,
+)
 from rl_lightning.rollout.datamodule import RolloutDataModule
-
 
 # RLModule checkpoints after the step on purpose (the state after k updates, with the stream at k).
 warnings.filterwarnings("ignore", message=".*ModelCheckpoint with manual optimization.*")
 
 
+class ConfigParseError(Exception):
+    """jsonargparse refused the command line or a config file (its message, unformatted)."""
+
+
+class _Parser(LightningArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)  # "--trainer.max_step 3" must not silently mean max_steps
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str, ex: Exception | None = None) -> Any:
+        if not self.exit_on_error:  # jsonargparse's internal attempts expect its own exception
+            return super().error(message, ex)
+        raise ConfigParseError(message) from ex
+
+
+class _RunLineage(Callback):
+    """Writes the run identity (``runs.run_identity``) into every checkpoint."""
+
+    def __init__(self, identity: dict[str, Any]) -> None:
+        self.identity = identity
+
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        checkpoint[runs.CHECKPOINT_KEY] = {"identity": self.identity}
+
+
+class _SaveRunConfig(SaveConfigCallback):
+    """Saves the resolved configuration as ``<run>/config.yaml`` with the run's version pinned, so that
+    ``--config <run>/config.yaml --ckpt_path last`` resumes exactly that run. A resumed run keeps the original
+    and writes its own configuration beside it (``config.resume-step<k>.yaml``)."""
+
+    resume_step: int | None = None
+
+    def setup(self, trainer: Trainer, pl_module: Any, stage: str) -> None:
+        if self.already_saved:
+            return
+        log_dir = trainer.log_dir
+        logger = _logger_config(self.config)
+        if log_dir and logger is not None:
+            self.config = self.config.clone()
+            _logger_config(self.config).init_args.version = os.path.basename(os.path.normpath(log_dir))
+        if self.resume_step is not None and log_dir and os.path.isfile(os.path.join(log_dir, self.config_filename)):
+            self.config_filename = f"config.resume-step{self.resume_step}.yaml"
+        super().setup(trainer, pl_module, stage)
+
+
+def _logger_config(config: Namespace) -> Namespace | None:
+    """The configuration's TensorBoardLogger namespace (``trainer.logger``), when it has exactly one."""
+    logger = config.get("trainer", Namespace()).get("logger") if isinstance(config, Namespace) else None
+    if isinstance(logger, list) and len(logger) == 1:
+        logger = logger[0]
+    if isinstance(logger, Namespace) and str(logger.get("class_path", "")).endswith("TensorBoardLogger"):
+        return logger
+    return None
+
+
 class RLCLI(LightningCLI):
     """LightningCLI in subclass mode for the model (``--model GRPO``) and the data module."""
 
+    _resume: runs.ResumeTarget | None = None
+    _started: float = 0.0
+
+    # ------------------------------------------------------------------ resume: which run, and is it this one
     def _parse_ckpt_path(self) -> None:
-        """Keep the configuration's model settings on resume; warn about those that differ from the checkpoint's."""
+        """Resolve ``--ckpt_path`` to one run's checkpoint, refuse another run's, continue in its directory."""
         subcommand = self.config.get("subcommand")
         if not subcommand:
             return
-        ckpt_path = self.config[subcommand].get("ckpt_path")
-        model = self.config[subcommand].get("model")
-        if not ckpt_path or not Path(ckpt_path).is_file() or model is None:
-            return  # "last" / "best" are resolved by Lightning later, from the same configuration
-        saved = dict(torch.load(ckpt_path, weights_only=True, map_location="cpu").get("hyper_parameters", {}))
-        saved.pop("_instantiator", None)
-        saved_class, given_class = saved.pop("_class_path", None), model.get("class_path")
-        if saved_class and given_class and saved_class != given_class:
-            raise ValueError(f"--ckpt_path {ckpt_path} was written by {saved_class}, but the configuration's model is "
-                             f"{given_class}: resume with the method (model.class_path) that wrote it")
-        given = model.get("init_args")
-        differ = [f"model.init_args.{key}: {_plain(saved[key])!r} in the checkpoint, {_plain(given[key])!r} now"
-                  for key in saved if given is not None and key in given and _plain(given[key]) != _plain(saved[key])]
+        config = self.config[subcommand]
+        spec = config.get("ckpt_path")
+        logger = _logger_config(config)
+        run_root, version = None, None
+        if logger is not None:
+            run_root = Path(logger.init_args.get("save_dir") or ".") / str(logger.init_args.get("name") or "")
+            version = logger.init_args.get("version")
+        if not spec or spec in ("best", "hpc", "registry"):
+            self._refuse_occupied_run(config, logger)
+            return
+        path = runs.resolve(str(spec), run_root, version)
+        if path is None:
+            rank_zero_warn(f"--ckpt_path last: no checkpoint of run {run_root} found; starting a new run")
+            config["ckpt_path"] = None
+            return
+        checkpoint = runs.read_checkpoint(path)
+        self._check_identity(path, checkpoint, config)
+        self._warn_changed_hyperparameters(path, checkpoint, config)
+        run_dir = runs.run_dir_of(path)
+        if run_dir is not None and logger is not None:  # continue writing into the checkpoint's run
+            if Path(logger.init_args.get("save_dir") or ".").resolve() != run_dir.parent.parent:
+                logger.init_args.save_dir = str(run_dir.parent.parent)  # as given otherwise: ModelCheckpoint
+            logger.init_args.name = run_dir.parent.name  # keeps its state only when its dirpath reads the same
+            logger.init_args.version = run_dir.name
+        config["ckpt_path"] = str(path)
+        self._resume = runs.ResumeTarget(path, run_dir, checkpoint)
+
+    @staticmethod
+    def _refuse_occupied_run(config: Namespace, logger: Namespace | None) -> None:
+        if logger is None or logger.init_args.get("version") is None:
+            return
+        version = logger.init_args.version
+        run_dir = (Path(logger.init_args.get("save_dir") or ".") / str(logger.init_args.get("name") or "")
+                   / (version if isinstance(version, str) else f"version_{version}"))
+        if runs.last_checkpoint_in(run_dir) is not None:
+            raise runs.CheckpointError(
+                f"{run_dir} already holds a run with checkpoints: resume it with --ckpt_path last, or start a new run "
+                f"with --trainer.logger.init_args.version null")
+
+    @staticmethod
+    def _check_identity(path: Path, checkpoint: dict[str, Any], config: Namespace) -> None:
+        given = runs.run_identity(config.as_dict())
+        saved = (checkpoint.get(runs.CHECKPOINT_KEY) or {}).get("identity")
+        if saved is None:  # a checkpoint written outside the CLI: the method is all it records
+            saved_class = (checkpoint.get("hyper_parameters") or {}).get("_class_path")
+            saved = {"model.class_path": saved_class} if saved_class else {}
+            given = {k: v for k, v in given.items() if k in saved}
+        differ = runs.identity_differences(saved, given)
         if differ:
-            rank_zero_warn("Resuming from " + str(ckpt_path) + " with model settings that differ from the "
+            raise runs.CheckpointError(f"--ckpt_path {path} belongs to another run; it differs in " + "; ".join(differ))
+
+    @staticmethod
+    def _warn_changed_hyperparameters(path: Path, checkpoint: dict[str, Any], config: Namespace) -> None:
+        saved = dict(checkpoint.get("hyper_parameters", {}))
+        for key in ("_instantiator", "_class_path"):
+            saved.pop(key, None)
+        given = (config.get("model") or Namespace()).get("init_args")
+        if given is None:
+            return
+        differ = [f"model.init_args.{key}: {_plain(saved[key])!r} in the checkpoint, {_plain(given[key])!r} now"
+                  for key in saved if key in given and _plain(given[key]) != _plain(saved[key])]
+        if differ:
+            rank_zero_warn("Resuming from " + str(path) + " with model settings that differ from the "
                            "checkpoint's (the configuration's values are used):\n  " + "\n  ".join(differ))
 
-    def after_fit(self) -> None:
-        logger = self.trainer.logger
-        log_dir = getattr(logger, "log_dir", None)
+    # ------------------------------------------------------------------ the trainer and its safety callbacks
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        config = self.config.get(str(self.subcommand), self.config)
+        trainer_config = self._get(self.config_init, "trainer", default={})
+        given = trainer_config.get("callbacks") or []
+        given = given if isinstance(given, list) else [given]
+        extra: list[Callback] = [_RunLineage(runs.run_identity(config.as_dict()))]
+        extra += [cls() for cls in (GracefulInterrupt, FailureDump) if not any(isinstance(cb, cls) for cb in given)]
+        progress = _progress_bar_class()
+        if (progress is not None and trainer_config.get("enable_progress_bar") is not False
+                and not any(isinstance(cb, ProgressBar) for cb in given)):
+            extra.append(progress())
+        self._extra_callbacks = extra
+        if self.save_config_callback is not None and issubclass(self.save_config_callback, _SaveRunConfig):
+            _SaveRunConfig.resume_step = self._resume.step if self._resume is not None else None
+        trainer = super().instantiate_trainer(**kwargs)
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        if self._resume is not None and self._resume.run_dir is not None:
+            for logger in trainer.loggers:  # the curves continue: later events of the old run are purged
+                if isinstance(logger, TensorBoardLogger):
+                    logger._kwargs["purge_step"] = self._resume.step
+        return trainer
+
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
+        return super()._instantiate_trainer(config, [*callbacks, *getattr(self, "_extra_callbacks", [])])
+
+    def before_fit(self) -> None:
+        self._started = time.perf_counter()
+        if self._resume is not None:
+            differ = runs.architecture_differences(self._resume.checkpoint["state_dict"], self.model.state_dict())
+            if differ:
+                raise runs.CheckpointError(f"--ckpt_path {self._resume.path} holds another architecture than "
+                                           f"model.init_args.model_name_or_path builds: " + "; ".join(differ))
+            verb = f"resuming at step {self._resume.step} from {self._resume.path}"
+            self._resume.checkpoint = {"global_step": self._resume.step}  # Lightning loads the file itself
+        else:
+            verb = "new run"
+        log_dir = self.trainer.log_dir
         if log_dir:
-            rank_zero_info(f"TensorBoard logs: {os.path.abspath(log_dir)}")
-            rank_zero_info(f"  view them with: tensorboard --logdir {os.path.dirname(os.path.abspath(log_dir))}")
+            rank_zero_info(f"rl-lightning: run directory {os.path.abspath(log_dir)} ({verb}); checkpoints in "
+                           f"{checkpoint_dir(self.trainer).resolve()}")
+
+    def after_fit(self) -> None:
+        elapsed = time.perf_counter() - self._started
+        history = list(getattr(self.model, "val_history", []) or [])
+        parts = []
+        if history:
+            (s0, v0), (s1, v1) = history[0], history[-1]
+            parts.append(f"val/reward {v0:.3f} at step {s0} -> {v1:.3f} at step {s1}")
+        parts.append(f"{self.trainer.global_step} steps in {_duration(elapsed)}")
+        parts.append(f"checkpoints: {checkpoint_dir(self.trainer).resolve()}")
+        if self.trainer.log_dir:
+            parts.append(f"logs: {os.path.abspath(self.trainer.log_dir)} (tensorboard --logdir "
+                         f"{os.path.dirname(os.path.abspath(self.trainer.log_dir))})")
+        rank_zero_info("rl-lightning: " + "; ".join(parts))
 
 
-def build_cli(args: list[str] | None = None, run: bool = True) -> RLCLI:
-    """Parse ``args`` (``None`` reads ``sys.argv``) and, with ``run=True``, run the subcommand."""
+def _progress_bar_class() -> type | None:
+    try:
+        from rl_lightning.callbacks.progress import RLProgressBar
+    except ImportError:
+        return None
+    return RLProgressBar
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(round(seconds)), 60)
+    return f"{minutes}m{secs:02d}s" if minutes else f"{seconds:.1f}s"
+
+
+def build_cli(args: list[str] | dict[str, Any] | None = None, run: bool = True, save_config: bool = True) -> RLCLI:
+    """Parse ``args`` (``None`` reads ``sys.argv``; a dict is a whole configuration) and, with ``run=True``, run
+    the subcommand. ``save_config=False`` writes no ``config.yaml``."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     return RLCLI(
@@ -79,7 +262,10 @@ def build_cli(args: list[str] | None = None, run: bool = True) -> RLCLI:
         RolloutDataModule,
         subclass_mode_model=True,
         subclass_mode_data=True,
+        save_config_callback=_SaveRunConfig if save_config else None,
         save_config_kwargs={"overwrite": True},
+        parser_class=_Parser,
+        auto_configure_optimizers=False,
         args=args,
         run=run,
     )
@@ -90,7 +276,9 @@ def _plain(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
 
+# ---------------------------------------------------------------------------------------------------- errors
 _PACKAGE_DIR = Path(rl_lightning.__file__).resolve().parent
+_NEGATIVE = re.compile(r"^-(\d|\.\d|inf\b|nan\b)", re.IGNORECASE)
 
 
 def configuration_error(exc: BaseException) -> BaseException | None:
@@ -112,6 +300,21 @@ def configuration_error(exc: BaseException) -> BaseException | None:
     return root
 
 
+def runtime_failure(exc: BaseException) -> BaseException | None:
+    """A failure of the run itself that the user must act on (a reward function that raised, a non-finite loss
+    or rollout), as opposed to a bug: the exception of that kind along ``exc``'s chain, or ``None``."""
+    from rl_lightning.algorithms.base import NonFiniteLossError
+    from rl_lightning.envs.base import RewardError
+
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, (RewardError, NonFiniteLossError, FloatingPointError)):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def _section(exc: BaseException) -> str:
     """``"model (rl_lightning.algorithms.GRPO)"``-like context from jsonargparse's wrapper message, if any."""
     text = str(exc)
@@ -122,19 +325,76 @@ def _section(exc: BaseException) -> str:
     return section
 
 
-def cli_main() -> None:
+def _parse_error_line(message: str, args: list[str]) -> str:
+    """One line for a refused configuration: every problem ``config_check`` finds, else jsonargparse's gist."""
+    from rl_lightning import config_check
+
+    subcommand_args = args[1:] if args and not args[0].startswith("-") else args
+    problems = config_check.check(subcommand_args)
+    if problems:
+        return "; ".join(str(p) for p in problems)
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    detail = [line for line in lines if re.match(r"(- )?(Expected|Option|Key|Not a valid|Unrecognized|Does not|"
+                                                  r"Problem|Parser key|Import path)", line)]
+    key = re.search(r"NestedArg\(key='([^']+)', val='([^']*)'\)", message)
+    gist = lines[0] if lines else message
+    if key:
+        gist = f"{key.group(1)}={key.group(2)!r}: " + "; ".join(d.lstrip("- ") for d in detail[-2:] or lines[:1])
+    return gist
+
+
+def _negative_values(args: list[str]) -> list[str]:
+    """``--key -1e-4`` -> ``--key=-1e-4`` (argparse would take the negative number for an option)."""
+    out: list[str] = []
+    for arg in args:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and _NEGATIVE.match(arg):
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
+def _fail(message: str, status: int, where: str = "") -> None:
+    where = f" in {where}" if where else ""
+    print(f"rl-lightning: error{where}: {message}\n(RL_LIGHTNING_TRACEBACK=1 shows the full traceback)",
+          file=sys.stderr)
+    raise SystemExit(status)
+
+
+def cli_main(argv: list[str] | None = None) -> None:
     """Entry point of the ``rl-lightning`` console script."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] == "replay":
+        from rl_lightning.replay import replay_main
+
+        raise SystemExit(replay_main(args[1:]))
+    args = _negative_values(args)
+    traceback_wanted = bool(os.environ.get("RL_LIGHTNING_TRACEBACK"))
+    if argv is None:  # LightningCLI reads sys.argv itself (and warns when given both)
+        sys.argv[1:] = args
     try:
-        build_cli()
-    except Exception as exc:  # noqa: BLE001 -- re-raised unless it is a configuration error of ours
-        root = configuration_error(exc)
-        if root is None or os.environ.get("RL_LIGHTNING_TRACEBACK"):
+        build_cli(None if argv is None else args)
+    except RunInterrupted as stop:
+        print(f"rl-lightning: {stop}; resume with --ckpt_path last", file=sys.stderr)
+        raise SystemExit(128 + stop.signum) from None
+    except ConfigParseError as exc:
+        if traceback_wanted:
             raise
-        section = _section(exc)
-        where = f" in {section}" if section else ""
-        print(f"rl-lightning: error{where}: {root}\n(RL_LIGHTNING_TRACEBACK=1 shows the full traceback)",
-              file=sys.stderr)
-        raise SystemExit(2) from None
+        _fail(_parse_error_line(str(exc), args), 2)
+    except Exception as exc:  # noqa: BLE001 -- re-raised unless it is a user error
+        if traceback_wanted:
+            raise
+        failure = runtime_failure(exc)
+        if failure is not None:
+            where = getattr(failure, "failure_dir", None) or getattr(exc, "failure_dir", None)
+            step = getattr(failure, "failure_step", None) or getattr(exc, "failure_step", None)
+            at = f" at step {step}" if step is not None and f"step {step}" not in str(failure) else ""
+            saved = f" -- the failed step is saved in {where}; re-run it with: rl-lightning replay {where}" if where else ""
+            _fail(f"{type(failure).__name__}{at}: {failure}{saved}", 1)
+        root = configuration_error(exc)
+        if root is None:
+            raise
+        _fail(str(root), 2, _section(exc))
 
 
 if __name__ == "__main__":

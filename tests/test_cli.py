@@ -85,7 +85,7 @@ def test_bad_fields_fail_before_training_with_the_field_named(override, needle, 
 
 def _error_lines(proc: subprocess.CompletedProcess) -> list[str]:
     """The lines of stderr that are not progress bars or Lightning's start-up chatter."""
-    return [ln for ln in proc.stderr.splitlines() if ln.startswith("rl-lightning:") or "Traceback" in ln]
+    return [ln for ln in proc.stderr.splitlines() if ln.startswith("rl-lightning: error") or "Traceback" in ln]
 
 
 def test_bad_model_path_gives_one_clear_line(tmp_path):
@@ -127,7 +127,7 @@ def test_short_fit_logs_the_fixed_metrics_and_resumes_from_last(tmp_path):
     proc = _cli("fit", "--config", str(REPO / "configs" / "grpo.yaml"), *TINY, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     log_dir = tmp_path / "runs" / "grpo" / "version_0"
-    assert f"TensorBoard logs: {log_dir}" in proc.stdout + proc.stderr
+    assert f"logs: {log_dir}" in proc.stdout + proc.stderr
     acc = EventAccumulator(str(log_dir))
     acc.Reload()
     scalars = set(acc.Tags()["scalars"])
@@ -136,30 +136,32 @@ def test_short_fit_logs_the_fixed_metrics_and_resumes_from_last(tmp_path):
         assert name in scalars, name
     assert [e.step for e in acc.Scalars("val/reward")] == [0, 2]  # warm start, then after 2 steps
     assert "samples/train/text_summary" in acc.Tags()["tensors"]
-    assert (tmp_path / "runs" / "grpo" / "checkpoints" / "last.ckpt").is_file()
+    ckpt = log_dir / "checkpoints" / "last.ckpt"
+    assert ckpt.is_file()
 
+    # --ckpt_path last continues the same run, in the same directory
     more = [a if a != "2" or i != 1 else "3" for i, a in enumerate(TINY)]  # max_steps 3
     proc = _cli("fit", "--config", str(REPO / "configs" / "grpo.yaml"), *more, "--ckpt_path", "last", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "resuming the prompt stream at step 2" in proc.stdout + proc.stderr
-    acc = EventAccumulator(str(tmp_path / "runs" / "grpo" / "version_1"))
+    assert not (tmp_path / "runs" / "grpo" / "version_1").exists()
+    acc = EventAccumulator(str(log_dir))
     acc.Reload()
-    assert [e.step for e in acc.Scalars("train/reward")] == [2]  # only the one new step; no step-0 eval
-    assert "val/reward" not in acc.Tags()["scalars"] or 0 not in [e.step for e in acc.Scalars("val/reward")]
+    assert [e.step for e in acc.Scalars("train/reward")] == [0, 1, 2]  # the curve continues, no step twice
+    assert [e.step for e in acc.Scalars("val/reward")] == [0, 2]  # no second step-0 evaluation
 
-    # Resuming from a checkpoint file keeps the configuration's model settings (Lightning's default would
-    # replace them with the checkpoint's) and says which differ; another method's checkpoint is refused.
-    ckpt = tmp_path / "runs" / "grpo" / "checkpoints" / "last.ckpt"
+    # Resuming keeps the configuration's model settings (Lightning's default would replace them with the
+    # checkpoint's) and says which differ; another method's checkpoint is refused.
     proc = _cli("fit", "--config", str(REPO / "configs" / "grpo.yaml"), *more, "--ckpt_path", str(ckpt),
                 "--model", "rl_lightning.algorithms.RLOO", cwd=tmp_path)
     assert proc.returncode == 2
     assert _error_lines(proc) == [
-        f"rl-lightning: error: --ckpt_path {ckpt} was written by rl_lightning.algorithms.GRPO, but the "
-        "configuration's model is rl_lightning.algorithms.RLOO: resume with the method (model.class_path) that "
-        "wrote it"]
+        f"rl-lightning: error: --ckpt_path {ckpt} belongs to another run; it differs in model.class_path: "
+        "'rl_lightning.algorithms.GRPO' in the checkpoint, 'rl_lightning.algorithms.RLOO' now"]
     more4 = [a if a != "2" or i != 1 else "4" for i, a in enumerate(TINY)]  # max_steps 4
     proc = _cli("fit", "--config", str(REPO / "configs" / "grpo.yaml"), *more4, "--ckpt_path", str(ckpt),
                 "--model.init_args.clip_eps_high", "0.28", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "model.init_args.clip_eps_high: 0.2 in the checkpoint, 0.28 now" in proc.stderr
-    assert "clip_eps_high: 0.28" in (tmp_path / "runs" / "grpo" / "version_2" / "hparams.yaml").read_text()
+    assert "clip_eps_high: 0.28" in (log_dir / "config.resume-step3.yaml").read_text()
+    assert "clip_eps_high: 0.2\n" in (log_dir / "config.yaml").read_text()  # the run's first config is kept

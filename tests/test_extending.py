@@ -92,7 +92,7 @@ def test_the_documented_command_runs(tmp_path):
     acc = EventAccumulator(str(tmp_path / "runs" / "dr_grpo" / "version_0"))
     acc.Reload()
     assert [e.step for e in acc.Scalars("train/reward")] == [0, 1]
-    assert (tmp_path / "runs" / "dr_grpo" / "checkpoints" / "last.ckpt").is_file()
+    assert (tmp_path / "runs" / "dr_grpo" / "version_0" / "checkpoints" / "last.ckpt").is_file()
 
 
 def test_dr_grpo_advantages_and_weights_on_a_hand_batch():

@@ -112,11 +112,21 @@ def test_resume_from_a_step_checkpoint_runs_that_steps_validation(tmp_path):
     assert sorted(resumed.val) == [2, 4]
     assert resumed.val == {2: straight.val[2], 4: straight.val[4]}
 
-    # a checkpoint written after the step's validation (here: at the end of fit) does not repeat it
+    # a checkpoint written after the step's validation (here: at the end of fit) does not repeat it: the value
+    # it holds is written again at its step (a resumed TensorBoard run has purged it), with no new evaluation
     again = _ValLog()
     after = tiny_trainer(tmp_path / "d", max_steps=2, **validate)
     after.fit(_module(), datamodule=tiny_datamodule())
     after.save_checkpoint(tmp_path / "d" / "end.ckpt")
+    data = tiny_datamodule()
+    rollout, held_out = data.rollout, []
+
+    def counting(batch):
+        held_out.append(batch.split == "val")
+        return rollout(batch)
+
+    data.rollout = counting
     tiny_trainer(tmp_path / "e", max_steps=4, logger=again, **validate).fit(
-        _module(), datamodule=tiny_datamodule(), ckpt_path=str(tmp_path / "d" / "end.ckpt"))
-    assert sorted(again.val) == [4]
+        _module(), datamodule=data, ckpt_path=str(tmp_path / "d" / "end.ckpt"))
+    assert again.val == {2: straight.val[2], 4: straight.val[4]}
+    assert sum(held_out) == 1  # one held-out batch of 16 prompts: the validation at step 4 only

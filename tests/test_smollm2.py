@@ -60,4 +60,4 @@ def test_smollm2_grpo_two_steps_on_cpu(tmp_path):
                for name in ("perf/step_time", "perf/rollout_time", "perf/update_time")}
     print(f"\nsampler_logp_diff at step 0: {diff:.3g}; train/reward {[e.value for e in acc.Scalars('train/reward')]}; "
           f"val/reward {[e.value for e in acc.Scalars('val/reward')]}; timings (s): {timings}")
-    shutil.rmtree(tmp_path / "runs" / "grpo_smollm2" / "checkpoints", ignore_errors=True)  # ~1.6 GB
+    shutil.rmtree(tmp_path / "runs" / "grpo_smollm2" / "version_0" / "checkpoints", ignore_errors=True)  # ~1.6 GB

@@ -1,6 +1,6 @@
 """One LightningModule per method; ``RLModule`` is the shared base."""
 
-from rl_lightning.algorithms.base import LossTerm, NonFiniteLossError, PolicyOutput, RLModule
+from rl_lightning.algorithms.base import HeldoutObserver, LossTerm, NonFiniteLossError, PolicyOutput, RLModule
 from rl_lightning.algorithms.grpo import GRPO
 from rl_lightning.algorithms.pg import PolicyGradient
 from rl_lightning.algorithms.ppo import PPO
@@ -8,5 +8,5 @@ from rl_lightning.algorithms.reinforce import REINFORCE
 from rl_lightning.algorithms.rloo import RLOO
 from rl_lightning.algorithms.trpo import TRPO
 
-__all__ = ["GRPO", "PPO", "REINFORCE", "RLOO", "TRPO", "LossTerm", "NonFiniteLossError", "PolicyGradient", "PolicyOutput",
-           "RLModule"]
+__all__ = ["GRPO", "PPO", "REINFORCE", "RLOO", "TRPO", "HeldoutObserver", "LossTerm", "NonFiniteLossError",
+           "PolicyGradient", "PolicyOutput", "RLModule"]

@@ -68,6 +68,22 @@ class LossTerm(Protocol):
     ) -> tuple[Tensor, dict[str, Tensor]]: ...
 
 
+@runtime_checkable
+class HeldoutObserver(Protocol):
+    """What a callback implements to see each held-out (greedy) evaluation (e.g. ``RolloutSamples``).
+
+    ``on_heldout_evaluated`` is called on every rank once per evaluation -- the step-0 one ``on_train_start``
+    runs and every validation of Lightning's loop (not the sanity check) -- with this rank's first held-out
+    ``RolloutBatch`` (one greedy response per prompt, rewards filled in), ``step`` (``trainer.global_step``,
+    the updates done before the evaluation) and ``reward``, the mean held-out reward over all ranks (the
+    ``val/reward`` logged at ``step``).
+    """
+
+    def on_heldout_evaluated(
+        self, trainer: Any, module: RLModule, batch: RolloutBatch, step: int, reward: float
+    ) -> None: ...
+
+
 class NonFiniteLossError(FloatingPointError):
     """A loss or gradient was NaN/inf; raised before the optimiser step, so the weights stay finite."""
 
@@ -129,6 +145,7 @@ class RLModule(LightningModule):
         self.automatic_optimization = False
         self.val_reward = MeanMetric()
         self._val_step = -1  # the step of the last val/reward logged (-1: none yet); kept in checkpoints
+        self.val_history: list[tuple[int, float]] = []  # (step, val/reward) of every evaluation; in checkpoints
 
     # ================================================================== hooks for methods
     @abstractmethod
@@ -164,13 +181,19 @@ class RLModule(LightningModule):
     summed_metrics: frozenset[str] = frozenset({
         "train/policy_loss", "train/value_loss", "train/kl_loss", "train/entropy_bonus",
     })
+    # per-instance state set by the hooks below (class defaults, so ``__init__`` stays the methods' own)
+    _step_learning_rates: dict[str, Tensor] | None = None  # noted at on_train_batch_start for the step's log
+    _heldout_batch: RolloutBatch | None = None  # the first batch of the running validation, for observers
 
     def check_datamodule(self, datamodule: Any) -> None:
         """Refuse data settings the method cannot use (called at setup). Default: accept everything."""
 
     # ================================================================== shared machinery
     def configure_optimizers(self) -> Any:
-        optimizer = self.optimizer_factory(self.parameter_groups())
+        try:
+            optimizer = self.optimizer_factory(self.parameter_groups())
+        except (ValueError, TypeError) as err:  # e.g. torch's "Invalid learning rate: -0.0001"
+            raise ValueError(f"model.init_args.optimizer: the optimiser refused its settings: {err}") from None
         if self.lr_scheduler_factory is None:
             return optimizer
         return {"optimizer": optimizer, "lr_scheduler": self.lr_scheduler_factory(optimizer)}
@@ -380,12 +403,36 @@ class RLModule(LightningModule):
             stats[key] = [total / count.clamp(min=1.0)]
         return stats
 
+    def learning_rates(self) -> dict[str, Tensor]:
+        """The learning rate of every optimiser parameter group, now: ``train/lr`` for the first group of the
+        first optimiser (the policy), ``train/lr_<name>`` for each other group, ``name`` being the group's
+        ``"name"`` entry if it has one (PPO: ``critic``), else its index over all the optimisers' groups."""
+        if self._trainer is None or not self.trainer.optimizers:
+            return {}
+        rates: dict[str, Tensor] = {}
+        groups = [group for optimizer in self.trainer.optimizers for group in optimizer.param_groups]
+        for index, group in enumerate(groups):
+            key = "train/lr" if index == 0 else f"train/lr_{group.get('name', index)}"
+            if key in rates:  # two groups of the same name
+                key = f"{key}_{index}"
+            rates[key] = torch.tensor(float(group["lr"]))
+        return rates
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Note the learning rates the coming update uses (``training_step`` steps the scheduler before it
+        logs), so ``train/lr`` at step ``k`` is the rate step ``k`` was taken with. A subclass overriding this
+        hook calls ``super()``."""
+        self._step_learning_rates = self.learning_rates()
+
     def log_training_metrics(self, metrics: dict[str, Tensor], step: int, batch_size: int) -> None:
         """Average ``metrics`` over ranks and write them at ``step`` (the rollout's index, before its update).
 
         They go to the loggers directly, one point per rollout step, so the x-axis is the same as for
         ``val/reward`` and stays right across resumes; ``self.log`` feeds the progress bar and callbacks.
+        The learning rates of the step's update (``learning_rates``) are added here.
         """
+        rates, self._step_learning_rates = self._step_learning_rates, None
+        metrics = {**(self.learning_rates() if rates is None else rates), **metrics}
         names = list(metrics)
         values = torch.stack([metrics[k].detach().float().to(self.device).reshape(()) for k in names])
         if self.trainer.world_size > 1:
@@ -414,22 +461,56 @@ class RLModule(LightningModule):
     # ================================================================== evaluation
     def validation_step(self, batch: RolloutBatch, batch_idx: int) -> None:
         self.val_reward.update(batch.rewards)
+        if self._heldout_batch is None:
+            self._heldout_batch = batch  # shown to the HeldoutObserver callbacks at the end of the validation
 
     def on_validation_epoch_end(self) -> None:
-        """Log ``val/reward`` at ``step = global_step`` (the number of updates so far), like the step-0 entry."""
+        """Log ``val/reward`` at ``step = global_step`` (the number of updates so far), like the step-0 entry,
+        and show the first held-out batch to the ``HeldoutObserver`` callbacks."""
         value = self.val_reward.compute()  # synchronised over ranks
         self.val_reward.reset()
+        batch, self._heldout_batch = self._heldout_batch, None
         self.log("val/reward", value, prog_bar=True, logger=False)
         if self.logger is not None and not self.trainer.sanity_checking:
             self.logger.log_metrics({"val/reward": float(value)}, step=self.global_step)
         if not self.trainer.sanity_checking:
             self._val_step = self.global_step
+            self._record_val(self.global_step, float(value))
+            if batch is not None:
+                self._notify_heldout_observers(batch, self.global_step, float(value))
+
+    def _heldout_observers(self) -> list[HeldoutObserver]:
+        return [cb for cb in self.trainer.callbacks if isinstance(cb, HeldoutObserver)] if self._trainer else []
+
+    def _notify_heldout_observers(self, batch: RolloutBatch, step: int, reward: float) -> None:
+        for observer in self._heldout_observers():
+            observer.on_heldout_evaluated(self.trainer, self, batch, step, reward)
+
+    @torch.no_grad()
+    def _evaluate_heldout(self, datamodule: Any) -> tuple[float, int, RolloutBatch | None]:
+        """Greedy held-out evaluation outside Lightning's loop on this rank: ``(sum of rewards, count, first
+        rollout batch)``; like ``datamodule.evaluate()``, keeping the first batch for the observers."""
+        if not (hasattr(datamodule, "val_prompt_batches") and hasattr(datamodule, "rollout")):
+            return (*datamodule.evaluate(), None)
+        total, count, first = 0.0, 0, None
+        for prompt_batch in datamodule.val_prompt_batches():
+            rollout = datamodule.rollout(prompt_batch)
+            total += float(rollout.rewards.sum())
+            count += rollout.num_rows
+            if first is None:
+                first = rollout
+        return total, count, first
+
+    def _record_val(self, step: int, value: float) -> None:
+        self.val_history = [(s, v) for s, v in self.val_history if s != step] + [(step, value)]
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["rl_lightning_val_step"] = self._val_step
+        checkpoint["rl_lightning_val_history"] = [list(entry) for entry in self.val_history]
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._val_step = int(checkpoint.get("rl_lightning_val_step", self._val_step))
+        self.val_history = [(int(s), float(v)) for s, v in checkpoint.get("rl_lightning_val_history", [])]
 
     def on_train_start(self) -> None:
         """Log ``val/reward`` before training: at step 0 (the warm-start level) in a fresh run, and, on resume,
@@ -447,8 +528,13 @@ class RLModule(LightningModule):
         elif self._val_step != step and isinstance(interval, int) and interval > 0 and step % interval == 0:
             when = "resumed from a checkpoint written before this step's validation"
         else:
+            # resumed after this step's validation (an interrupt checkpoint): a resumed TensorBoard run has
+            # purged the events from this step on, so write its value again (no new evaluation)
+            done = dict(self.val_history)
+            if step > 0 and self._val_step == step and step in done and self.logger is not None:
+                self.logger.log_metrics({"val/reward": done[step]}, step=step)
             return
-        total, count = datamodule.evaluate()
+        total, count, first = self._evaluate_heldout(datamodule)
         sums = torch.tensor([total, float(count)], device=self.device)
         sums = self.trainer.strategy.reduce(sums, reduce_op="sum")
         if float(sums[1]) == 0:
@@ -457,5 +543,8 @@ class RLModule(LightningModule):
         if self.logger is not None:
             self.logger.log_metrics({"val/reward": value}, step=step)
         self._val_step = step
+        self._record_val(step, value)
         rank_zero_info(f"val/reward at step {step} ({when}): {value:.4f} on {int(sums[1])} held-out prompts")
+        if first is not None:
+            self._notify_heldout_observers(first, step, value)
 

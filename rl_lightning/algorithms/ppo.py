@@ -86,10 +86,12 @@ class PPO(RLModule):
     # ------------------------------------------------------------------ critic plumbing
     @override
     def parameter_groups(self) -> list[dict[str, Any]]:
-        critic_group: dict[str, Any] = {"params": list(self.critic.parameters())}
+        groups = super().parameter_groups()
+        groups[0].setdefault("name", "policy")  # names give the logged rates theirs: train/lr, train/lr_critic
+        critic_group: dict[str, Any] = {"params": list(self.critic.parameters()), "name": "critic"}
         if self.critic_lr is not None:
             critic_group["lr"] = self.critic_lr
-        return [*super().parameter_groups(), critic_group]
+        return [*groups, critic_group]
 
     @override
     def trainable_parameters(self) -> list[nn.Parameter]:

@@ -147,7 +147,16 @@ class TRPO(RLModule):
         policy = torch.optim.SGD(self.policy.parameters(), lr=1.0, momentum=0.0, weight_decay=0.0)
         if self.critic is None:
             return policy
-        return [policy, torch.optim.Adam(self.critic.parameters(), lr=self.critic_lr)]
+        return [policy, torch.optim.Adam([{"params": list(self.critic.parameters()), "name": "critic"}],
+                                         lr=self.critic_lr)]
+
+    @override
+    def learning_rates(self) -> dict[str, Tensor]:
+        """Only the critic's (``train/lr_critic``, with ``gae``): the policy has no learning rate (its step
+        length comes from δ; the SGD "optimiser" with ``lr = 1`` only applies it)."""
+        rates = super().learning_rates()
+        rates.pop("train/lr", None)
+        return rates
 
     @override
     def trainable_parameters(self) -> list[nn.Parameter]:

@@ -1,7 +1,13 @@
-"""Cross-cutting behaviour that plugs into any method: KL regularisers, critic schedules, sample logging."""
+"""Cross-cutting behaviour that plugs into any method: KL regularisers, critic schedules, sample logging,
+the progress bar, and run safety (atomic checkpoints, a checkpoint on interrupt, replayable failure dumps)."""
 
 from rl_lightning.callbacks.critic import CriticWarmup, FreezeCriticModules
 from rl_lightning.callbacks.kl import KLRegularizer
+from rl_lightning.callbacks.progress import RLProgressBar
+from rl_lightning.callbacks.safety import AtomicCheckpointIO, FailureDump, GracefulInterrupt, RunInterrupted
 from rl_lightning.callbacks.samples import RolloutSamples
 
-__all__ = ["CriticWarmup", "FreezeCriticModules", "KLRegularizer", "RolloutSamples"]
+__all__ = [
+    "AtomicCheckpointIO", "CriticWarmup", "FailureDump", "FreezeCriticModules", "GracefulInterrupt", "KLRegularizer",
+    "RLProgressBar", "RolloutSamples", "RunInterrupted",
+]

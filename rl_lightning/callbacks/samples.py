@@ -15,10 +15,17 @@ def _cell(text: str) -> str:
 
 
 class RolloutSamples(Callback):
-    """Every ``every_n_steps`` training steps, log ``num_samples`` rollouts as a markdown table (``samples/train``).
+    """Rollouts as markdown tables of prompt, response, reward (the verdict) and truncation, under *Text*.
+
+    * ``samples/train``: ``num_samples`` sampled training rollouts every ``every_n_steps`` training steps
+      (step 0 included) and at the last step (``max_steps - 1``), at the step that produced them.
+    * ``samples/val``: ``num_samples`` greedy held-out responses at every evaluation -- the one before
+      training (step 0) and each validation -- at ``step = trainer.global_step`` (the updates done before
+      it, the step ``val/reward`` is logged at). The module calls ``on_heldout_evaluated`` (the
+      ``HeldoutObserver`` protocol of ``rl_lightning.algorithms``).
 
     Args:
-        every_n_steps: logging interval in training steps (step 0 included).
+        every_n_steps: logging interval of the training samples in training steps.
         num_samples: rows shown (the first rows of the batch, i.e. whole groups first).
     """
 
@@ -38,12 +45,22 @@ class RolloutSamples(Callback):
             )
         return "\n".join(rows)
 
+    def _write(self, trainer: Trainer, tag: str, batch: RolloutBatch, step: int) -> None:
+        if not trainer.is_global_zero:
+            return
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                logger.experiment.add_text(tag, self.table(batch, self.num_samples), global_step=step)
+
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         step = trainer.global_step - 1  # the step that produced `batch`
-        if not isinstance(batch, RolloutBatch) or step % self.every_n_steps or not trainer.is_global_zero:
-            return
-        for logger in trainer.loggers:
-            if isinstance(logger, TensorBoardLogger):
-                logger.experiment.add_text("samples/train", self.table(batch, self.num_samples), global_step=step)
+        last = trainer.max_steps is not None and trainer.max_steps > 0 and trainer.global_step >= trainer.max_steps
+        if isinstance(batch, RolloutBatch) and (step % self.every_n_steps == 0 or last):
+            self._write(trainer, "samples/train", batch, step)
+
+    def on_heldout_evaluated(
+        self, trainer: Trainer, module: LightningModule, batch: RolloutBatch, step: int, reward: float
+    ) -> None:
+        self._write(trainer, "samples/val", batch, step)

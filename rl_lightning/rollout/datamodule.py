@@ -20,7 +20,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, IterableDataset
 
-from rl_lightning.envs.base import Prompt, RewardFunction, Task, score
+from rl_lightning.envs.base import Prompt, RewardError, RewardFunction, Task, score
 from rl_lightning.rollout.batch import PromptBatch, RolloutBatch
 from rl_lightning.rollout.engines import KVCacheEngine, RolloutEngine
 
@@ -106,6 +106,7 @@ class RolloutDataModule(LightningDataModule):
         self._sampler: nn.Module | None = None  # the lagged copy when sampler_sync_interval > 1
         self._sampler_synced_at = -1
         self._pending_state: dict[str, Any] | None = None
+        self._injected: list[RolloutBatch] = []
 
     # ------------------------------------------------------------------ the trained module's side
     @property
@@ -220,6 +221,9 @@ class RolloutDataModule(LightningDataModule):
         train = batch.split == "train"
         if train and batch.step != self.cursor:
             raise RuntimeError(f"prompt stream out of sync: batch for step {batch.step}, cursor at {self.cursor}")
+        if train and self._injected:
+            self.cursor += 1
+            return self._injected.pop(0).to(device)
         group = self.group_size if train else 1
         prompts = [p for p in batch.prompts for _ in range(group)]
         indices = [i for i in batch.indices for _ in range(group)]
@@ -244,23 +248,40 @@ class RolloutDataModule(LightningDataModule):
         responses = module.tokenizer.batch_decode(
             [row[:n] for row, n in zip(gen.response_ids.tolist(), lengths)], skip_special_tokens=True
         )
-        rewards = torch.tensor([score(self.reward_fn, p, r) for p, r in zip(prompts, responses)],
-                               dtype=torch.float32, device=device)
+        def make_batch(rewards: list[float], reward_time: float) -> RolloutBatch:
+            return RolloutBatch.from_generation(
+                prompt_ids, prompt_mask, gen,
+                rewards=torch.tensor(rewards, dtype=torch.float32, device=device),
+                group_size=group,
+                prompt_index=torch.tensor(indices, dtype=torch.long, device=device),
+                temperature=self.temperature,
+                top_p=self.top_p,
+                prompts=prompts,
+                responses=responses,
+                rollout_time=t1 - t0,
+                reward_time=reward_time,
+            )
+
+        rewards: list[float] = []
+        try:
+            for prompt, response in zip(prompts, responses):
+                rewards.append(score(self.reward_fn, prompt, response))
+        except RewardError as err:  # keep the responses so the failure can be replayed (FailureDump)
+            if train:
+                err.rollout_batch = make_batch(  # type: ignore[attr-defined]
+                    rewards + [float("nan")] * (len(prompts) - len(rewards)), time.perf_counter() - t1)
+            raise
         t2 = time.perf_counter()
         if train:
             self.cursor += 1
-        return RolloutBatch.from_generation(
-            prompt_ids, prompt_mask, gen,
-            rewards=rewards,
-            group_size=group,
-            prompt_index=torch.tensor(indices, dtype=torch.long, device=device),
-            temperature=self.temperature,
-            top_p=self.top_p,
-            prompts=prompts,
-            responses=responses,
-            rollout_time=t1 - t0,
-            reward_time=t2 - t1,
-        )
+        return make_batch(rewards, t2 - t1)
+
+    def inject(self, batch: RolloutBatch) -> None:
+        """Train the next step on ``batch`` instead of generating one (``rl-lightning replay`` uses it).
+
+        The stream still advances by one step, so the step after it draws the prompts it would have drawn.
+        """
+        self._injected.append(batch)
 
     @torch.no_grad()
     def evaluate(self) -> tuple[float, int]:
@@ -274,7 +295,18 @@ class RolloutDataModule(LightningDataModule):
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"cursor": self.cursor}
+        """The stream position and the lagged sampler.
+
+        The position saved is the number of rollout batches whose update has completed: a checkpoint written
+        in the middle of a step (an interrupt, a failure dump) has drawn that step's prompts already, and
+        resuming from it draws them again.
+        """
+        cursor = self.cursor
+        trainer = self.trainer
+        state = getattr(trainer, "state", None)
+        if state is not None and state.fn == "fit" and hasattr(trainer, "global_step"):
+            cursor = min(cursor, trainer.global_step)
+        state: dict[str, Any] = {"cursor": cursor}
         if self._sampler is not None:
             state["sampler"] = {k: v.detach().cpu() for k, v in self._sampler.state_dict().items()}
             state["sampler_synced_at"] = self._sampler_synced_at

@@ -73,11 +73,11 @@ def test_a_single_constant_group_counts_as_zero_std(tmp_path):
 
 def test_no_step_zero_evaluation_when_validation_is_off(tmp_path):
     class Counting(type(tiny_datamodule())):
-        calls = 0
+        calls = 0  # held-out (greedy) rollouts
 
-        def evaluate(self):  # noqa: ANN201
-            Counting.calls += 1
-            return super().evaluate()
+        def rollout(self, batch):  # noqa: ANN001, ANN201
+            Counting.calls += batch.split == "val"
+            return super().rollout(batch)
 
     dm = tiny_datamodule()
     dm.__class__ = Counting
@@ -87,4 +87,4 @@ def test_no_step_zero_evaluation_when_validation_is_off(tmp_path):
     dm.__class__ = Counting
     tiny_trainer(tmp_path, max_steps=1, limit_val_batches=None).fit(GRPO(model_name_or_path="embedded:arithmetic"),
                                                                     datamodule=dm)
-    assert Counting.calls == 1  # the step-0 evaluation
+    assert Counting.calls == 1  # the step-0 evaluation (16 held-out prompts, one batch)

@@ -1,0 +1,316 @@
+"""Run safety: atomic checkpoint writes, a checkpoint on SIGINT/SIGTERM, and a replayable dump of a failed step.
+
+* ``AtomicCheckpointIO`` writes a checkpoint to a temporary file in the same directory and renames it over the
+  target, so a write killed half-way never leaves a truncated ``last.ckpt`` (the previous one stays).
+* ``GracefulInterrupt``: the first SIGINT (Ctrl-C) or SIGTERM (cluster preemption) lets the current step
+  finish, writes ``last.ckpt`` of that completed step and stops the run (``RunInterrupted``); a second
+  signal stops at once.
+* ``FailureDump``: when a training step raises (a non-finite loss or gradient, a reward function that raises,
+  ...), the step's rollout batch, its RNG state and the state at the start of the step are written to
+  ``<run>/failures/step_<k>/``; ``rl-lightning replay <that directory>`` re-runs exactly that update.
+
+The CLI adds all three to every run (unless the configuration already holds an instance); in Python, pass them
+to the ``Trainer`` yourself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import signal
+import tempfile
+import threading
+import traceback
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities import rank_zero_info
+
+from rl_lightning.rollout.batch import RolloutBatch
+
+FAILURE_DIRNAME = "failures"
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """``TorchCheckpointIO`` whose writes are atomic: temporary file, flush to disk, then ``os.replace``."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError("AtomicCheckpointIO.save_checkpoint takes no storage_options")
+        target = Path(path)
+        if "://" in str(path):  # remote file systems: Lightning's own (non-atomic) write
+            return super().save_checkpoint(checkpoint, path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        umask = os.umask(0)
+        os.umask(umask)
+        try:
+            os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 -> the permissions a plain open() would give
+            with os.fdopen(fd, "wb") as handle:
+                torch.save(checkpoint, handle)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+
+def checkpoint_dir(trainer: Trainer) -> Path:
+    """Where the run's checkpoints go: the ``ModelCheckpoint``'s directory, else ``<log_dir>/checkpoints``."""
+    callback = trainer.checkpoint_callback
+    if isinstance(callback, ModelCheckpoint) and callback.dirpath:
+        return Path(callback.dirpath)
+    return Path(trainer.log_dir or trainer.default_root_dir) / "checkpoints"
+
+
+class GracefulInterrupt(Callback):
+    """On SIGINT or SIGTERM, finish the current step, write ``last.ckpt`` of it, and stop the run.
+
+    The signal is only noted by the handler; the decision is taken at the end of a training step or a
+    validation (and agreed on by all ranks, so every rank stops after the same step). A second signal
+    stops at once (``KeyboardInterrupt``); the last checkpoint written stays intact.
+
+    Once the checkpoint is written, ``Trainer.fit`` raises ``RunInterrupted`` (the CLI exits with status
+    128 + the signal number, as a shell reports a process ended by that signal).
+
+    Attributes:
+        received: the signal number received, or ``None``.
+        saved_path: the checkpoint written on interrupt, or ``None``.
+    """
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self.saved_path: Path | None = None
+        self._previous: dict[int, Any] = {}
+        self._trainer: Trainer | None = None
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.received, self.saved_path, self._trainer = None, None, trainer
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be installed from the main thread
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            self._previous[signum] = signal.signal(signum, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:  # noqa: ARG002
+        if self.received is not None:  # the second signal: stop now
+            self._restore()
+            raise KeyboardInterrupt
+        self.received = signum
+        trainer = self._trainer
+        step = trainer.global_step if trainer is not None else "?"
+        print(f"\nrl-lightning: received {signal.Signals(signum).name}: finishing step {step}, then writing a "
+              "checkpoint (send it again to stop at once)", flush=True)
+        launcher = getattr(trainer.strategy, "launcher", None) if trainer is not None else None
+        if launcher is not None and trainer.is_global_zero and hasattr(launcher, "kill"):
+            launcher.kill(signum)  # processes this one started (Lightning's ddp launcher) stop too
+
+    def _restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        self._previous = {}
+
+    def _check(self, trainer: Trainer) -> None:
+        flag = torch.tensor(0.0 if self.received is None else 1.0, device=trainer.strategy.root_device)
+        if trainer.world_size > 1:
+            flag = trainer.strategy.reduce(flag, reduce_op="sum")
+        if float(flag) == 0:
+            return
+        self._restore()
+        path = checkpoint_dir(trainer) / f"{ModelCheckpoint.CHECKPOINT_NAME_LAST}{ModelCheckpoint.FILE_EXTENSION}"
+        callback = trainer.checkpoint_callback
+        if isinstance(callback, ModelCheckpoint):  # so that it overwrites this file after a resume (no last-v1)
+            callback.last_model_path = str(path)
+        trainer.save_checkpoint(path)
+        self.saved_path = path
+        signum = self.received if self.received is not None else signal.SIGTERM  # another rank's signal
+        raise RunInterrupted(int(signum), trainer.global_step, path)
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self._check(trainer)
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not trainer.sanity_checking and trainer.state.fn == "fit":
+            self._check(trainer)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._restore()
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._restore()
+
+
+class RunInterrupted(Exception):
+    """Raised by ``GracefulInterrupt`` out of ``Trainer.fit`` once the interrupted run's checkpoint is written.
+
+    Stopping by an exception (not ``trainer.should_stop``) keeps Lightning from running a last validation that
+    an uninterrupted run would not have run, so a resumed run logs exactly what a straight run logs.
+    """
+
+    def __init__(self, signum: int, step: int, path: Path) -> None:
+        self.signum, self.step, self.path = signum, step, path
+        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}; checkpoint: {path}")
+
+
+# ---------------------------------------------------------------------------------------------------- failures
+def rng_state() -> dict[str, Any]:
+    """The global random states a step may draw from (torch CPU and CUDA, Python's ``random``, NumPy's)."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:  # pragma: no cover - numpy ships with torch's dependencies here
+        pass
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what ``rng_state`` returned."""
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
+def failed_batch(exc: BaseException) -> RolloutBatch | None:
+    """The rollout batch an exception carries (``exc.rollout_batch``, set by the data module), along its chain."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        batch = getattr(exc, "rollout_batch", None)
+        if isinstance(batch, RolloutBatch):
+            return batch
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+class FailureDump(Callback):
+    """When a training step fails, write what replaying it needs to ``<run>/failures/step_<k>/``.
+
+    * ``batch.pt``: the step's ``RolloutBatch`` (for a reward function that raised: the generated responses, with
+      the rewards scored so far), the global RNG state at the start of the update, and what failed;
+    * ``state.ckpt``: a full checkpoint of the state at the start of the failing step -- the live state when no
+      optimiser step of that rollout had run yet, else the snapshot taken after the previous step;
+    * ``info.json``: step, error, and the replay command (``rl-lightning replay <dir>``).
+
+    ``state.ckpt`` is also a valid ``--ckpt_path``: resuming from it redraws the failing step.
+
+    Args:
+        snapshot: keep an in-memory CPU copy of the state after every step, so the start of a step can be
+            written even after some of its optimiser steps ran (several iterations/minibatches, a critic step).
+            ``"auto"`` keeps it only for methods that took more than one optimiser step per rollout (costs one
+            copy of weights and optimiser state per step); ``"never"`` / ``"always"``.
+    """
+
+    def __init__(self, snapshot: Literal["auto", "always", "never"] = "auto") -> None:
+        if snapshot not in ("auto", "always", "never"):
+            raise ValueError(f"FailureDump: snapshot must be 'auto', 'always' or 'never', got {snapshot!r}")
+        self.snapshot = snapshot
+        self.dumped: Path | None = None
+        self._batch: RolloutBatch | None = None
+        self._rng: dict[str, Any] | None = None
+        self._steps_in_batch = 0
+        self._many_steps = snapshot == "always"
+        self._snapshot: dict[str, Any] | None = None
+        self._hooks: list[Any] = []
+
+    def _count_step(self, *args: Any, **kwargs: Any) -> None:  # noqa: ARG002
+        self._steps_in_batch += 1
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.dumped = None
+        for optimizer in trainer.optimizers:
+            self._hooks.append(optimizer.register_step_post_hook(self._count_step))
+        self._rng = rng_state()
+        if self.snapshot != "never" and trainer.world_size == 1:
+            self._snapshot = _to_cpu(trainer._checkpoint_connector.dump_checkpoint())
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        # a shallow copy: what the method attaches to the batch during the step (values, returns) is not kept
+        self._batch = dataclasses.replace(batch) if isinstance(batch, RolloutBatch) else None
+        self._rng = rng_state()
+        self._steps_in_batch = 0
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self._batch = None
+        self._many_steps = self.snapshot == "always" or (self.snapshot == "auto" and self._steps_in_batch > 1)
+        self._snapshot = None
+        if self._many_steps and trainer.world_size == 1:
+            self._snapshot = _to_cpu(trainer._checkpoint_connector.dump_checkpoint())
+        self._rng = rng_state()
+        self._steps_in_batch = 0
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._remove_hooks()
+
+    def _remove_hooks(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._remove_hooks()
+        if isinstance(exception, (KeyboardInterrupt, SystemExit, RunInterrupted)) or trainer.state.fn != "fit":
+            return
+        batch = self._batch
+        where = "update"
+        if batch is None:
+            batch, where = failed_batch(exception), "rollout"
+        if batch is None:
+            return  # not inside a training step (setup, validation): nothing to replay
+        step = trainer.global_step
+        rank = trainer.global_rank
+        out = (Path(trainer.log_dir or trainer.default_root_dir) / FAILURE_DIRNAME / f"step_{step:06d}").resolve()
+        out.mkdir(parents=True, exist_ok=True)
+        suffix = "" if trainer.world_size == 1 else f".rank{rank}"
+        state_note = None
+        if trainer.world_size == 1:
+            if self._steps_in_batch == 0:
+                state = trainer._checkpoint_connector.dump_checkpoint()
+            else:
+                state = self._snapshot
+            if state is not None:
+                AtomicCheckpointIO().save_checkpoint(state, out / "state.ckpt")
+            else:
+                state_note = (f"{self._steps_in_batch} optimiser step(s) of this rollout had run and no snapshot was "
+                              "kept (FailureDump(snapshot='always') keeps one)")
+        else:
+            state_note = "multi-process run: no state written (replay runs one process; use the last checkpoint)"
+        torch.save({"batch": batch.to("cpu"), "rng": self._rng, "step": step, "where": where,
+                    "optimizer_steps_before_failure": self._steps_in_batch}, out / f"batch{suffix}.pt")
+        error = "".join(traceback.format_exception_only(type(exception), exception)).strip()
+        info = {
+            "step": step, "where": where, "rank": rank, "error": error,
+            "state": "state.ckpt" if (out / "state.ckpt").is_file() else None, "note": state_note,
+            "replay": f"rl-lightning replay {out}",
+        }
+        if rank == 0 or trainer.world_size > 1:
+            (out / f"info{suffix}.json").write_text(json.dumps(info, indent=2) + "\n")
+        self.dumped = out
+        exception.failure_dir = str(out)  # type: ignore[attr-defined]  # the CLI names them in its one line
+        exception.failure_step = step  # type: ignore[attr-defined]

@@ -1,0 +1,38 @@
+"""Deterministic failures for the run-safety tests (named by class_path in their configs)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback
+
+from rl_lightning.envs import ExactMatchReward, Prompt
+
+
+class PoisonedReward(ExactMatchReward):
+    """Exact match, but raises on the prompts listed in ``poison`` (so the failing step is known in advance)."""
+
+    def __init__(self, poison: list[str]) -> None:
+        super().__init__()
+        self.poison = set(poison)
+
+    def __call__(self, prompt: Prompt, response: str) -> float:
+        if prompt.text in self.poison:
+            raise ValueError(f"cannot score {prompt.text!r}")
+        return super().__call__(prompt, response)
+
+
+class NonFiniteAtStep(Callback):
+    """A ``LossTerm`` that is 0, except NaN on the ``call``-th micro-batch (0-based) of step ``step``."""
+
+    def __init__(self, step: int, call: int = 0) -> None:
+        self.step, self.call = step, call
+        self._seen: tuple[int, int] = (-1, 0)
+
+    def loss_term(self, module: Any, batch: Any, logprobs: torch.Tensor, weights: torch.Tensor):
+        step, count = self._seen
+        count = count + 1 if step == module.global_step else 1
+        self._seen = (module.global_step, count)
+        scale = float("nan") if module.global_step == self.step and count - 1 == self.call else 0.0
+        return (logprobs * weights).sum() * scale, {}

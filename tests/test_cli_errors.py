@@ -1,0 +1,86 @@
+"""Every user error of the command line ends in one line naming the key, the file and line it came from, and
+the problem; configuration errors exit with status 2."""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+import pytest
+
+from rl_lightning import config_check
+from rl_lightning.cli import _negative_values, cli_main
+from tests.conftest import REPO
+
+GRPO = REPO / "configs" / "grpo.yaml"
+
+
+def error_line(capsys, *args: str) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["fit", "--config", str(GRPO), *args])
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("rl-lightning: error")]
+    assert len(lines) == 1, err[-3000:]
+    assert "Traceback" not in err and "usage:" not in err
+    return exit_info.value.code, lines[0]
+
+
+def test_every_unknown_key_is_reported_with_the_closest_valid_name(capsys, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    text = GRPO.read_text().replace("    clip_eps_low: 0.2", "    clip_eps_lo: 0.2")
+    bad.write_text(text)
+    line_no = text.splitlines().index("    clip_eps_lo: 0.2") + 1
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["fit", "--config", str(bad), "--data.init_args.grop_size", "2", "--trainer.max_step", "3"])
+    assert exit_info.value.code == 2
+    line = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("rl-lightning: error")][0]
+    assert line == (
+        f"rl-lightning: error: {bad}:{line_no}: model.init_args.clip_eps_lo: unknown key: GRPO has no argument "
+        "'clip_eps_lo' (did you mean clip_eps_low?); command line: data.init_args.grop_size: unknown key: "
+        "RolloutDataModule has no argument 'grop_size' (did you mean group_size?); command line: trainer.max_step: "
+        "unknown key: Trainer has no argument 'max_step' (did you mean max_steps?)")
+
+
+def test_a_wrong_type_names_the_key_and_the_expected_type(capsys):
+    code, line = error_line(capsys, "--model.init_args.optimizer.init_args.lr", "fast")
+    assert code == 2
+    assert line == ("rl-lightning: error: command line: model.init_args.optimizer.init_args.lr: expected float or "
+                    "Tensor, got 'fast'")
+    code, line = error_line(capsys, "--data.init_args.group_size", "many")
+    assert (code, line) == (2, "rl-lightning: error: command line: data.init_args.group_size: expected int, got 'many'")
+
+
+def test_a_negative_number_is_a_value_and_the_optimiser_refusing_it_is_one_line(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, line = error_line(capsys, "--model.init_args.optimizer.init_args.lr", "-1e-4", "--trainer.max_steps", "1")
+    assert code == 2
+    assert line == ("rl-lightning: error: model.init_args.optimizer: the optimiser refused its settings: "
+                    "Invalid learning rate: -0.0001")
+
+
+def test_the_optimizer_is_set_in_one_place_only(capsys):
+    code, line = error_line(capsys, "--optimizer", "torch.optim.SGD", "--optimizer.lr", "0.1")
+    assert code == 2
+    assert "optimizer: not accepted: set the optimizer in one place only, as model.init_args.optimizer" in line
+
+
+def test_negative_values_are_joined_to_their_option():
+    assert _negative_values(["--a.lr", "-1e-4", "--b", "-3", "--c", "-.5", "--d", "x", "-x"]) == [
+        "--a.lr=-1e-4", "--b=-3", "--c=-.5", "--d", "x", "-x"]
+    assert _negative_values(["--a=-1", "-2"]) == ["--a=-1", "-2"]  # already joined: left alone
+
+
+def test_type_problem_on_plain_annotations():
+    assert config_check.type_problem(3, int) is None
+    assert config_check.type_problem(True, int) == "expected int, got True"
+    assert config_check.type_problem(3, float) is None
+    assert config_check.type_problem("x", Optional[float]) == "expected float or null, got 'x'"
+    assert config_check.type_problem("k4", Literal["k1", "k3"]) == "expected 'k1' | 'k3', got 'k4'"
+    assert config_check.type_problem("anything", list[int]) is None  # not a plain type: not judged here
+
+
+def test_init_parameters_follow_kwargs_up_the_hierarchy():
+    from rl_lightning.algorithms import GRPO
+
+    params = config_check.init_parameters(GRPO)
+    assert {"clip_eps_low", "model_name_or_path", "optimizer", "micro_batch_size"} <= set(params)
+    assert "kwargs" not in params

@@ -1,0 +1,271 @@
+"""Run safety: one directory per run, resume only the run named, checkpoints on interrupt, atomic writes,
+replayable failures, and one line for every bad checkpoint."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from rl_lightning import runs
+from rl_lightning.callbacks.safety import AtomicCheckpointIO
+from rl_lightning.cli import build_cli, cli_main
+from rl_lightning.envs import ArithmeticTask
+from rl_lightning.replay import replay
+from tests.conftest import REPO
+
+GRPO = str(REPO / "configs" / "grpo.yaml")
+
+
+def tiny(max_steps: int, val_every: int = 2) -> list[str]:
+    return ["--trainer.max_steps", str(max_steps), "--trainer.val_check_interval", str(val_every),
+            "--data.init_args.task.init_args.num_heldout", "16", "--data.init_args.prompts_per_step", "4",
+            "--data.init_args.group_size", "4", "--data.init_args.max_new_tokens", "4",
+            "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
+
+
+def fit(*args: str):
+    return build_cli(["fit", "--config", GRPO, *args])
+
+
+def scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
+    acc = EventAccumulator(str(run_dir))
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+
+def one_line_error(capsys, *args: str) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(list(args))
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("rl-lightning: error")]
+    assert len(lines) == 1, lines
+    return exit_info.value.code, lines[0]
+
+
+def test_last_resumes_the_named_run_into_its_own_directory(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    fit(*tiny(4))
+    grpo = tmp_path / "runs" / "grpo" / "version_0"
+    assert (grpo / "checkpoints" / "last.ckpt").is_file() and (grpo / "config.yaml").is_file()
+    assert yaml.safe_load((grpo / "config.yaml").read_text())["trainer"]["logger"]["init_args"]["version"] == "version_0"
+    # another run, under another logger name (the issue's reproduction: a JSONL subtraction task)
+    data = tmp_path / "sub.jsonl"
+    data.write_text("".join(f'{{"prompt": "{a}-{b}=", "answer": "{a - b}"}}\n' for a in range(5, 10) for b in range(5)))
+    build_cli(["fit", "--config", GRPO, *tiny(3), "--data.init_args.task", "rl_lightning.envs.JsonlTask",
+               "--data.init_args.task.init_args.train_file", str(data), "--data.init_args.task.init_args.num_heldout",
+               "4", "--trainer.logger.init_args.name", "sub"])
+    sub = tmp_path / "runs" / "sub" / "version_0"
+    assert (sub / "checkpoints" / "last.ckpt").is_file()
+
+    cli = fit(*tiny(6), "--ckpt_path", "last")  # the grpo run, not the newer subtraction run
+    assert cli.trainer.global_step == 6
+    assert cli.datamodule.cursor == 6
+    assert not (tmp_path / "runs" / "grpo" / "version_1").exists()
+    assert [s for s, _ in scalars(grpo, "train/reward")] == [0, 1, 2, 3, 4, 5]
+    assert (grpo / "config.resume-step4.yaml").is_file()
+
+    # the subtraction run's checkpoint is refused with the differing fields, in one line
+    code, line = one_line_error(capsys, "fit", "--config", GRPO, *tiny(6), "--ckpt_path", str(sub))
+    assert code == 2
+    assert line == (f"rl-lightning: error: --ckpt_path {sub / 'checkpoints' / 'last.ckpt'} belongs to another run; "
+                    "it differs in data.init_args.task.class_path: 'rl_lightning.envs.JsonlTask' in the checkpoint, "
+                    "'rl_lightning.envs.ArithmeticTask' now")
+    code, line = one_line_error(capsys, "fit", "--config", GRPO, *tiny(6), "--ckpt_path", "last",
+                                "--data.init_args.task.init_args.num_digits", "3")
+    assert code == 2 and "data.init_args.task.init_args.num_digits: 2 in the checkpoint, 3 now" in line
+
+
+def test_resuming_an_earlier_checkpoint_continues_the_curves_without_overlap(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    fit(*tiny(4))
+    run = tmp_path / "runs" / "grpo" / "version_0"
+    shutil.copy(run / "checkpoints" / "last.ckpt", run / "checkpoints" / "step4.ckpt")
+    fit(*tiny(6), "--ckpt_path", "last")
+    first = scalars(run, "train/reward")
+    val_first = scalars(run, "val/reward")
+    fit(*tiny(6), "--ckpt_path", str(run / "checkpoints" / "step4.ckpt"))  # steps 4, 5 again
+    again = scalars(run, "train/reward")
+    assert [s for s, _ in again] == [0, 1, 2, 3, 4, 5]  # each step once: the first resume's 4, 5 are purged
+    assert again == first  # and the rerun is exact
+    assert scalars(run, "val/reward") == val_first
+
+
+def test_a_fresh_run_never_writes_into_a_run_that_has_checkpoints(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    fit(*tiny(2))
+    config = tmp_path / "runs" / "grpo" / "version_0" / "config.yaml"
+    code, line = one_line_error(capsys, "fit", "--config", str(config), *tiny(2))  # its version is pinned
+    assert code == 2 and "already holds a run with checkpoints" in line and "--ckpt_path last" in line
+    cli = build_cli(["fit", "--config", str(config), *tiny(3), "--ckpt_path", "last"])  # resuming it is fine
+    assert cli.trainer.global_step == 3
+
+
+def test_bad_checkpoints_give_one_line_naming_the_file(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    fit(*tiny(2))
+    good = tmp_path / "runs" / "grpo" / "version_0" / "checkpoints" / "last.ckpt"
+    empty, truncated = tmp_path / "empty.ckpt", tmp_path / "truncated.ckpt"
+    empty.write_bytes(b"")
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    code, line = one_line_error(capsys, "fit", "--config", GRPO, *tiny(3), "--ckpt_path", str(empty))
+    assert code == 2 and line == f"rl-lightning: error: --ckpt_path {empty}: the file is empty (a write that was interrupted?)"
+    code, line = one_line_error(capsys, "fit", "--config", GRPO, *tiny(3), "--ckpt_path", str(truncated))
+    assert code == 2 and line.startswith(f"rl-lightning: error: --ckpt_path {truncated}: not a readable checkpoint")
+    code, line = one_line_error(capsys, "fit", "--config", GRPO, *tiny(3), "--ckpt_path", str(tmp_path / "nope.ckpt"))
+    assert code == 2 and line.endswith("nope.ckpt: no such file")
+    # same run identity, another architecture (the model directory changed under the run)
+    state = torch.load(good, weights_only=False)
+    key = next(k for k in state["state_dict"] if k.endswith("embed_tokens.weight"))
+    state["state_dict"][key] = torch.zeros(7, 3)
+    other = tmp_path / "other.ckpt"
+    torch.save(state, other)
+    code, line = one_line_error(capsys, "fit", "--config", GRPO, *tiny(3), "--ckpt_path", str(other))
+    assert code == 2 and "holds another architecture" in line and f"{key} [7, 3] in the checkpoint" in line
+
+
+def test_atomic_checkpoint_writes_leave_the_previous_file_when_killed(tmp_path, monkeypatch):
+    io = AtomicCheckpointIO()
+    target = tmp_path / "last.ckpt"
+    io.save_checkpoint({"state_dict": {"w": torch.ones(3)}, "global_step": 1}, target)
+    before = target.read_bytes()
+
+    def killed_half_way(obj, handle, *args, **kwargs):
+        handle.write(b"partial bytes")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", killed_half_way)
+    with pytest.raises(KeyboardInterrupt):
+        io.save_checkpoint({"state_dict": {"w": torch.zeros(3)}, "global_step": 2}, target)
+    assert target.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]  # no temporary file left behind
+
+
+# ------------------------------------------------------------------------------------------- interrupts
+def _cli_process(args: list[str], cwd: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "rl_lightning", *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _logged_steps(run: Path) -> int:
+    if not run.is_dir():
+        return 0
+    try:
+        return len(scalars(run, "train/reward"))
+    except KeyError:  # nothing logged yet
+        return 0
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_an_interrupted_run_saves_its_last_step_and_resumes_exactly(tmp_path, signum):
+    steps = ["--trainer.max_steps", "14", "--trainer.val_check_interval", "5",
+             "--data.init_args.task.init_args.num_heldout", "16", "--data.init_args.prompts_per_step", "4",
+             "--data.init_args.group_size", "4", "--data.init_args.max_new_tokens", "4"]
+    straight, cut = tmp_path / "straight", tmp_path / "cut"
+    straight.mkdir(), cut.mkdir()
+    proc = _cli_process(["fit", "--config", GRPO, *steps], straight)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+
+    proc = _cli_process(["fit", "--config", GRPO, *steps], cut)
+    run = cut / "runs" / "grpo" / "version_0"
+    deadline = time.time() + 300
+    while _logged_steps(run) < 3 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    assert proc.poll() is None, "the run ended before it could be interrupted"
+    proc.send_signal(signum)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signum, err[-3000:]
+    saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
+    stopped_at = saved["global_step"]
+    assert 3 <= stopped_at < 14
+    assert f"rl-lightning: stopped by {signal.Signals(signum).name} after step {stopped_at}; checkpoint: " in err
+    assert _logged_steps(run) == stopped_at  # the checkpoint holds every step that was logged
+
+    proc = _cli_process(["fit", "--config", GRPO, *steps, "--ckpt_path", "last"], cut)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    a = torch.load(straight / "runs" / "grpo" / "version_0" / "checkpoints" / "last.ckpt", weights_only=False)
+    b = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
+    assert a["global_step"] == b["global_step"] == 14
+    for key, value in a["state_dict"].items():
+        assert torch.equal(value, b["state_dict"][key]), key
+    assert scalars(run, "train/reward") == scalars(straight / "runs" / "grpo" / "version_0", "train/reward")
+    assert scalars(run, "val/reward") == scalars(straight / "runs" / "grpo" / "version_0", "val/reward")
+
+
+# ------------------------------------------------------------------------------------------- failures
+def _failing_config(tmp_path: Path, extra_callback: dict | None = None, reward: dict | None = None) -> Path:
+    callbacks = [
+        {"class_path": "rl_lightning.callbacks.KLRegularizer", "init_args": {"beta": 0.0}},
+        {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+         "init_args": {"every_n_train_steps": 1, "save_last": True, "save_top_k": -1}},
+    ]
+    if extra_callback:
+        callbacks.append(extra_callback)
+    layer: dict = {"trainer": {"callbacks": callbacks}}
+    if reward:
+        layer["data"] = {"init_args": {"reward_fn": reward}}
+    path = tmp_path / "failing.yaml"
+    path.write_text(yaml.safe_dump(layer))
+    return path
+
+
+@pytest.mark.parametrize("minibatches, call", [(1, 0), (2, 1)], ids=["first-optimizer-step", "after-an-inner-step"])
+def test_a_non_finite_step_is_dumped_and_replays_exactly(tmp_path, monkeypatch, capsys, minibatches, call):
+    monkeypatch.chdir(tmp_path)
+    layer = _failing_config(tmp_path, {"class_path": "tests.helpers.failing.NonFiniteAtStep",
+                                       "init_args": {"step": 2, "call": call}})
+    args = ["fit", "--config", GRPO, "--config", str(layer), *tiny(5, val_every=10),
+            "--model.init_args.num_minibatches", str(minibatches)]
+    code, line = one_line_error(capsys, *args)
+    run = tmp_path / "runs" / "grpo" / "version_0"
+    failure = run / "failures" / "step_000002"
+    assert code == 1
+    assert line.startswith("rl-lightning: error: NonFiniteLossError: non-finite loss (nan) at step 2")
+    assert f"rl-lightning replay {failure}" in line
+    # the last good checkpoint is intact: the state after step 2's predecessor
+    last = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
+    assert last["global_step"] == 2
+    state = torch.load(failure / "state.ckpt", weights_only=False)
+    assert state["global_step"] == 2
+    for key, value in last["state_dict"].items():  # the dump holds the weights at the start of the failed step
+        assert torch.equal(value, state["state_dict"][key]), key
+    assert any(k.startswith("RolloutDataModule") and v["cursor"] == 2 for k, v in state.items() if isinstance(v, dict))
+    dump = torch.load(failure / "batch.pt", weights_only=False)
+    assert dump["where"] == "update" and dump["optimizer_steps_before_failure"] == call
+    with pytest.raises(FloatingPointError, match="non-finite loss"):
+        replay(failure)
+    assert not (tmp_path / "checkpoints").exists()  # replay writes nothing
+    # the state dump also resumes: the run continues from the failed step once the cause is gone
+    cli = build_cli(["fit", "--config", GRPO, *tiny(4, val_every=10), "--ckpt_path", str(failure / "state.ckpt")])
+    assert cli.trainer.global_step == 4
+
+
+def test_a_reward_function_that_raises_is_dumped_with_its_responses(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    task = ArithmeticTask(num_digits=2, operations=["+"], num_heldout=16, seed=1234)  # as configs/grpo.yaml, tiny()
+    poison = task.train_prompt(2 * 4 + 1).text  # the second prompt of step 2
+    assert poison not in [task.train_prompt(i).text for i in range(8)]
+    layer = _failing_config(tmp_path, reward={"class_path": "tests.helpers.failing.PoisonedReward",
+                                              "init_args": {"poison": [poison]}})
+    code, line = one_line_error(capsys, "fit", "--config", GRPO, "--config", str(layer), *tiny(5, val_every=10))
+    failure = tmp_path / "runs" / "grpo" / "version_0" / "failures" / "step_000002"
+    assert code == 1
+    assert line.startswith("rl-lightning: error: RewardError at step 2: reward function PoisonedReward raised "
+                           f"ValueError: cannot score {poison!r}")
+    dump = torch.load(failure / "batch.pt", weights_only=False)
+    assert dump["where"] == "rollout"
+    assert [p.text for p in dump["batch"].prompts].index(poison) == 4  # group 1 of 4 responses each
+    assert torch.isnan(dump["batch"].rewards[4:]).all() and not torch.isnan(dump["batch"].rewards[:4]).any()
+    with pytest.raises(Exception, match="cannot score"):
+        replay(failure)
