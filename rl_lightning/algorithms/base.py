@@ -259,6 +259,42 @@ class RLModule(LightningModule):
             hidden = out.hidden_states[-1][:, start:start + width]  # [N, T, H]
         return PolicyOutput(logprobs * mask, None if entropy is None else entropy * mask, hidden)
 
+    def score_sequences(
+        self, contexts: list[list[int]], targets: list[list[int]], target_masks: list[list[int]] | None = None,
+        model: nn.Module | None = None, temperature: float = 1.0, with_entropy: bool = False,
+    ) -> tuple[PolicyOutput, Tensor]:
+        """Log-probs, with gradient, of arbitrary ``targets`` after ``contexts`` (token ids; a second forward
+        a loss may need, e.g. CoPE's forecasting or a generative critic's value tokens).
+
+        Returns ``(out, mask)``: ``out.logprobs`` ``[n, T]`` for the right-padded targets under ``model``
+        (default: the policy) at ``temperature`` (full vocabulary), 0 where ``mask`` is 0; ``mask`` ``[n, T]``
+        is 1 on target tokens (``target_masks``, default all of them) and 0 on padding.
+        """
+        if len(contexts) != len(targets) or not contexts:
+            raise ValueError(f"score_sequences: {len(contexts)} contexts for {len(targets)} targets")
+        device = next(self.policy.parameters()).device
+        pad = self.tokenizer.pad_token_id
+        width_p = max(len(c) for c in contexts)
+        width_t = max(1, max(len(t) for t in targets))
+        n = len(contexts)
+        ids = torch.full((n, width_p + width_t), pad, dtype=torch.long)
+        attention = torch.zeros((n, width_p + width_t), dtype=torch.long)
+        mask = torch.zeros((n, width_t), dtype=torch.long)
+        for i, (context, target) in enumerate(zip(contexts, targets)):
+            ids[i, width_p - len(context):width_p] = torch.tensor(context, dtype=torch.long)
+            ids[i, width_p:width_p + len(target)] = torch.tensor(target, dtype=torch.long)
+            attention[i, width_p - len(context):width_p + len(target)] = 1
+            chosen = target_masks[i] if target_masks is not None else [1] * len(target)
+            if len(chosen) != len(target):
+                raise ValueError(f"score_sequences: target_masks[{i}] has {len(chosen)} entries for {len(target)} ids")
+            mask[i, :len(target)] = torch.tensor(chosen, dtype=torch.long)
+        batch = RolloutBatch(
+            input_ids=ids.to(device), attention_mask=attention.to(device), prompt_length=width_p,
+            loss_mask=mask.to(device), sampler_logprobs=torch.zeros(n, width_t, device=device),
+            rewards=torch.zeros(n, device=device), group_size=1, prompt_index=torch.zeros(n, dtype=torch.long,
+            device=device), truncated=torch.zeros(n, dtype=torch.bool, device=device), temperature=temperature)
+        return self.forward_policy(batch, model, with_entropy=with_entropy), batch.loss_mask
+
     def token_logprobs(
         self, batch: RolloutBatch, model: nn.Module | None = None, with_entropy: bool = False
     ) -> tuple[Tensor, Tensor | None]:
@@ -446,10 +482,15 @@ class RLModule(LightningModule):
                 logger.log_metrics(scalars, step=step)
 
     def rollout_metrics(self, batch: RolloutBatch) -> dict[str, Tensor]:
-        """The fixed rollout metrics of DESIGN.md (reward, spread, lengths, truncation)."""
+        """The fixed rollout metrics of DESIGN.md (reward, spread, lengths, truncation); for multi-turn
+        episodes also ``train/num_turns`` and ``train/env_errors``."""
         rewards = batch.rewards.float()
         groups = rewards.view(-1, batch.group_size)
-        return {
+        episodes = {} if batch.num_turns is None else {
+            "train/num_turns": batch.num_turns.float().mean(),
+            "train/env_errors": torch.tensor(float(batch.env_errors)),
+        }
+        return {**episodes,
             "train/reward": rewards.mean(),
             "train/reward_std": rewards.std(unbiased=False),
             # max == min, not std == 0: the std of a constant group of fractional rewards need not be exactly 0

@@ -2,19 +2,26 @@
 
 from rl_lightning.envs.arithmetic import ArithmeticTask
 from rl_lightning.envs.base import ExactMatchReward, Prompt, RewardError, RewardFunction, Task, score
+from rl_lightning.envs.environment import EnvError, Environment, SingleTurnEnv
+from rl_lightning.envs.guess import GuessNumberEnv, GuessNumberTask
 from rl_lightning.envs.jsonl import JsonlTask, PromptFileError, read_prompt_file
 from rl_lightning.envs.word_problems import ArithmeticWordTask, NumericAnswerReward
 
 __all__ = [
     "ArithmeticTask",
     "ArithmeticWordTask",
+    "EnvError",
+    "Environment",
     "ExactMatchReward",
+    "GuessNumberEnv",
+    "GuessNumberTask",
     "JsonlTask",
     "NumericAnswerReward",
     "Prompt",
     "PromptFileError",
     "RewardError",
     "RewardFunction",
+    "SingleTurnEnv",
     "Task",
     "read_prompt_file",
     "score",

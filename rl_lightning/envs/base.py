@@ -6,6 +6,7 @@ A task is addressed by a *stream index*: ``task.train_prompt(i)`` is a pure func
 
 from __future__ import annotations
 
+import hashlib
 import math
 import numbers
 from abc import ABC, abstractmethod
@@ -20,6 +21,15 @@ class Prompt:
     text: str
     answer: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def uid(self) -> int:
+        """A stable id of this prompt (the same whenever and wherever it is drawn): ``metadata["uid"]`` if set,
+        else a 63-bit hash of its text and answer (for per-prompt state such as SPO's tracker)."""
+        if "uid" in self.metadata:
+            return int(self.metadata["uid"])
+        digest = hashlib.blake2b(f"{self.text}\x00{self.answer}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") >> 1
 
 
 class RewardFunction(ABC):
@@ -98,7 +108,8 @@ def score(reward_fn: RewardFunction, prompt: Prompt, response: str) -> float:
 
 
 class Task(ABC):
-    """A single-turn task: a seeded training stream, a fixed held-out set, and a default verifier."""
+    """A task: a seeded training stream of prompts, a fixed held-out set, a default verifier, and the environment
+    an episode on a prompt runs in (``make_env``; one answer scored by the verifier unless a task says otherwise)."""
 
     @abstractmethod
     def train_prompt(self, index: int) -> Prompt:
@@ -111,3 +122,13 @@ class Task(ABC):
     def default_reward(self) -> RewardFunction:
         """The verifier used when the data module is given no ``reward_fn``."""
         return ExactMatchReward()
+
+    def make_env(self, prompt: Prompt, reward_fn: RewardFunction) -> Any:
+        """The environment of one episode on ``prompt`` (a ``rl_lightning.envs.Environment``).
+
+        Default: ``SingleTurnEnv`` (the prompt, one answer scored by ``reward_fn``). Multi-turn tasks return
+        their own environment, built from the prompt (its metadata carries what the episode needs, e.g. a seed).
+        """
+        from rl_lightning.envs.environment import SingleTurnEnv
+
+        return SingleTurnEnv(prompt, reward_fn)

@@ -6,7 +6,7 @@ Shapes: ``N`` rows (= prompts × ``group_size``; groups are contiguous), ``P`` p
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -43,7 +43,8 @@ class PromptBatch:
 # Per-row tensors whose first dimension is N, moved and sliced together. Optional ones may be None.
 _ROW_TENSORS = (
     "input_ids", "attention_mask", "loss_mask", "sampler_logprobs", "rewards", "prompt_index", "truncated",
-    "obs_mask", "ref_logprobs", "values", "returns", "topk_ids", "topk_logprobs", "aux_ids",
+    "obs_mask", "ref_logprobs", "values", "returns", "topk_ids", "topk_logprobs", "aux_ids", "turn_index",
+    "num_turns", "turn_rewards", "prompt_id",
 )
 
 
@@ -69,6 +70,13 @@ class RolloutBatch:
             a critic (PPO) when they compute advantages.
         topk_ids, topk_logprobs: ``[N, T, k]`` the sampler's top-k ids/log-probs (Score Centering), optional.
         aux_ids: ``[N, T, K]`` K auxiliary draws per position (StableReinforce), optional.
+        turn_index: ``[N, T]`` the turn (0, 1, ...) of every model-generated token, -1 elsewhere (episodes).
+        num_turns: ``[N]`` model turns of each episode.
+        turn_rewards: ``[N, K]`` the reward of each turn (NaN after the episode's last); ``rewards`` is their sum.
+        prompt_id: ``[N]`` a stable id of each row's prompt (``Prompt.uid``: the same whenever it is drawn).
+        env_errors: episodes ended because their environment raised (``GroupRollout(env_errors="fail_episode")``).
+        extras: per-row tensors (first dimension ``N``) a method or callback attaches; they follow ``to`` and
+            ``select`` like the fields above.
         rollout_time, reward_time: seconds spent generating and scoring this batch.
     """
 
@@ -92,6 +100,12 @@ class RolloutBatch:
     topk_ids: Tensor | None = None
     topk_logprobs: Tensor | None = None
     aux_ids: Tensor | None = None
+    turn_index: Tensor | None = None
+    num_turns: Tensor | None = None
+    turn_rewards: Tensor | None = None
+    prompt_id: Tensor | None = None
+    env_errors: int = 0
+    extras: dict[str, Tensor] = field(default_factory=dict)
     rollout_time: float = 0.0
     reward_time: float = 0.0
 
@@ -101,7 +115,7 @@ class RolloutBatch:
         expect = {
             "attention_mask": (n, width), "loss_mask": (n, t), "sampler_logprobs": (n, t), "rewards": (n,),
             "prompt_index": (n,), "truncated": (n,), "obs_mask": (n, t), "ref_logprobs": (n, t),
-            "values": (n, t), "returns": (n, t),
+            "values": (n, t), "returns": (n, t), "turn_index": (n, t), "num_turns": (n,), "prompt_id": (n,),
         }
         for name, shape in expect.items():
             value = getattr(self, name)
@@ -111,8 +125,19 @@ class RolloutBatch:
             value = getattr(self, name)
             if value is not None and (value.dim() != 3 or tuple(value.shape[:2]) != (n, t)):
                 raise ValueError(f"RolloutBatch.{name} has shape {tuple(value.shape)}, expected ({n}, {t}, k)")
+        if self.turn_rewards is not None and (self.turn_rewards.dim() != 2 or self.turn_rewards.shape[0] != n):
+            raise ValueError(f"RolloutBatch.turn_rewards has shape {tuple(self.turn_rewards.shape)}, expected ({n}, K)")
+        for name, value in self.extras.items():
+            if value.shape[:1] != (n,):
+                raise ValueError(f"RolloutBatch.extras[{name!r}] has shape {tuple(value.shape)}, expected ({n}, ...)")
         if self.group_size < 1 or n % self.group_size:
             raise ValueError(f"RolloutBatch: group_size={self.group_size} does not divide N={n}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name not in _FIELD_NAMES:  # would be lost by to()/select(): say where it belongs instead
+            raise AttributeError(f"RolloutBatch has no field {name!r}; attach per-row tensors as "
+                                 f"batch.extras[{name!r}] (they follow to() and select())")
+        super().__setattr__(name, value)
 
     @property
     def num_rows(self) -> int:
@@ -139,9 +164,11 @@ class RolloutBatch:
         generation's mask (EOS included), ``sampler_logprobs`` its recorded log-probs; ``fields`` sets any
         other field (texts, timings, optional tensors).
         """
+        observed = getattr(gen, "obs_mask", None)  # episodes: observation ids are context too
+        response_attention = gen.mask if observed is None else (gen.mask.bool() | observed.bool()).long()
         return cls(
             input_ids=torch.cat([prompt_ids, gen.response_ids], dim=1),
-            attention_mask=torch.cat([prompt_mask, gen.mask], dim=1),
+            attention_mask=torch.cat([prompt_mask, response_attention], dim=1),
             prompt_length=prompt_ids.shape[1],
             loss_mask=gen.mask,
             sampler_logprobs=gen.logprobs,
@@ -160,7 +187,8 @@ class RolloutBatch:
             for name in _ROW_TENSORS
             if getattr(self, name) is not None
         }
-        return replace(self, **moved)
+        extras = {k: v.to(device, non_blocking=non_blocking) for k, v in self.extras.items()}
+        return replace(self, **moved, extras=extras)
 
     def select(self, rows: Tensor) -> RolloutBatch:
         """The sub-batch of ``rows`` (a 1-D index tensor). ``group_size`` becomes 1 unless whole groups are kept."""
@@ -174,7 +202,10 @@ class RolloutBatch:
             self,
             **picked,
             group_size=g if whole_groups else 1,
+            extras={k: v[rows] for k, v in self.extras.items()},
             prompts=[self.prompts[i] for i in idx] if self.prompts else [],
             responses=[self.responses[i] for i in idx] if self.responses else [],
         )
 
+
+_FIELD_NAMES = frozenset(f.name for f in fields(RolloutBatch))

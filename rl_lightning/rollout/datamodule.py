@@ -20,9 +20,11 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, IterableDataset
 
-from rl_lightning.envs.base import Prompt, RewardError, RewardFunction, Task, score
+from rl_lightning.envs.base import Prompt, RewardFunction, Task
 from rl_lightning.rollout.batch import PromptBatch, RolloutBatch
 from rl_lightning.rollout.engines import KVCacheEngine, RolloutEngine
+from rl_lightning.rollout.prompts import PromptSampler, SequentialSampler
+from rl_lightning.rollout.strategies import GroupRollout, RolloutStrategy
 
 
 class _TrainStream(IterableDataset):
@@ -33,8 +35,8 @@ class _TrainStream(IterableDataset):
 
     def __iter__(self) -> Iterator[PromptBatch]:
         step = self.datamodule.cursor
-        while True:
-            yield self.datamodule.prompt_batch(step)
+        while True:  # the prompts are chosen when the step's rollout starts (the loader prefetches a step ahead)
+            yield PromptBatch("train", step, [], [])
             step += 1
 
 
@@ -58,6 +60,16 @@ class RolloutDataModule(LightningDataModule):
         seed: seeds sampling; step ``k`` on rank ``r`` draws from a generator seeded by ``(seed, r, k)``.
         engine: the sampling engine (``None``: ``KVCacheEngine``, the library's KV-cache loop;
             ``HFGenerateEngine`` uses Hugging Face ``generate`` as a reference).
+        strategy: how prompts become rollouts (``None``: ``GroupRollout()``: ``group_size`` single-turn
+            episodes per prompt; ``GroupRollout(max_turns=k)`` for multi-turn environments). See
+            ``rl_lightning.rollout.strategies``.
+        prompt_sampler: which stream indices a step draws (``None``: ``SequentialSampler()``, the seeded stream in
+            order; ``WeightedSampler`` draws from a pool by weights a method sets). See ``rl_lightning.rollout.prompts``.
+        record_topk: record, per generated position of training rollouts, the sampling distribution's top-k ids
+            and their full-vocabulary log-probs (``RolloutBatch.topk_ids`` / ``topk_logprobs``; Score Centering).
+            A method that needs them raises it in ``check_datamodule``.
+        record_aux_draws: record K extra draws per position from the sampling distribution, independent of the
+            sampled token (``RolloutBatch.aux_ids``; StableReinforce). The sampled tokens do not change.
     """
 
     def __init__(
@@ -76,6 +88,10 @@ class RolloutDataModule(LightningDataModule):
         use_chat_template: bool = False,
         seed: int = 0,
         engine: RolloutEngine | None = None,
+        strategy: RolloutStrategy | None = None,
+        prompt_sampler: PromptSampler | None = None,
+        record_topk: int = 0,
+        record_aux_draws: int = 0,
     ) -> None:
         super().__init__()
         checks = {
@@ -83,6 +99,7 @@ class RolloutDataModule(LightningDataModule):
             "max_new_tokens": max_new_tokens >= 1, "temperature": temperature > 0,
             "top_p": 0 < top_p <= 1, "sampler_sync_interval": sampler_sync_interval >= 1,
             "val_batch_size": val_batch_size >= 1, "num_val_prompts": num_val_prompts is None or num_val_prompts >= 0,
+            "record_topk": record_topk >= 0, "record_aux_draws": record_aux_draws >= 0,
         }
         for name, ok in checks.items():
             if not ok:
@@ -101,6 +118,11 @@ class RolloutDataModule(LightningDataModule):
         self.use_chat_template = use_chat_template
         self.seed = seed
         self.engine = engine if engine is not None else KVCacheEngine()
+        self.strategy = strategy if strategy is not None else GroupRollout()
+        self.prompt_sampler = prompt_sampler if prompt_sampler is not None else SequentialSampler()
+        self.record_topk = record_topk
+        self.record_aux_draws = record_aux_draws
+        self._aux_generator: torch.Generator | None = None
         self.cursor = 0  # training steps drawn so far (the stream position)
         self.generator: torch.Generator | None = None
         self._sampler: nn.Module | None = None  # the lagged copy when sampler_sync_interval > 1
@@ -130,11 +152,15 @@ class RolloutDataModule(LightningDataModule):
 
     # ------------------------------------------------------------------ prompts
     def prompt_batch(self, step: int) -> PromptBatch:
-        """The prompts this rank trains on at ``step``: a contiguous slice of the global stream."""
+        """The prompts this rank trains on at ``step``: its contiguous slice of the step's global indices, which
+        the ``prompt_sampler`` chooses (the same on every rank)."""
         rank, world = self._world()
         per_rank = self.prompts_per_step // world
-        start = step * self.prompts_per_step + rank * per_rank
-        indices = list(range(start, start + per_rank))
+        chosen = self.prompt_sampler.indices(self.task, step, self.prompts_per_step, self.seed)
+        if len(chosen) != self.prompts_per_step:
+            raise ValueError(f"{type(self.prompt_sampler).__name__} returned {len(chosen)} indices for step {step}, "
+                             f"expected prompts_per_step={self.prompts_per_step}")
+        indices = chosen[rank * per_rank:(rank + 1) * per_rank]
         return PromptBatch("train", step, indices, [self.task.train_prompt(i) for i in indices])
 
     def heldout_prompts(self) -> list[Prompt]:
@@ -163,17 +189,27 @@ class RolloutDataModule(LightningDataModule):
             return self.rollout(batch)
         return batch
 
-    def _encode(self, prompts: list[Prompt], device: torch.device) -> tuple[Tensor, Tensor]:
-        tok = self._module.tokenizer
+    @property
+    def tokenizer(self) -> Any:
+        """The trained module's tokenizer."""
+        return self._module.tokenizer
+
+    def _template(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                  tokenize=False)
+
+    def encode_first(self, prompts: list[Prompt], texts: list[str] | None, device: torch.device
+                     ) -> tuple[Tensor, Tensor]:
+        """Left-padded ids and mask of each episode's first observation (``texts``; default: the prompts'),
+        as a user message of the chat template (``use_chat_template``) or BOS + its tokens."""
+        tok = self.tokenizer
         rows: list[list[int]] = []
-        for prompt in prompts:
+        for prompt, text in zip(prompts, texts if texts is not None else [p.text for p in prompts]):
             if self.use_chat_template:
-                ids = tok.apply_chat_template(
-                    [{"role": "user", "content": prompt.text}], add_generation_prompt=True, tokenize=True
-                )
-                ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+                rendered = self._template([{"role": "user", "content": text}], add_generation_prompt=True)
+                ids = tok(rendered, add_special_tokens=False)["input_ids"]
             else:
-                ids = tok(prompt.text, add_special_tokens=False)["input_ids"]
+                ids = tok(text, add_special_tokens=False)["input_ids"]
                 if self.add_bos and tok.bos_token_id is not None:
                     ids = [tok.bos_token_id, *ids]
             rows.append(ids)
@@ -185,6 +221,46 @@ class RolloutDataModule(LightningDataModule):
             input_ids[i, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
             attention[i, width - len(ids):] = 1
         return input_ids.to(device), attention.to(device)
+
+    def _encode(self, prompts: list[Prompt], device: torch.device) -> tuple[Tensor, Tensor]:
+        return self.encode_first(prompts, None, device)
+
+    def encode_observation(self, episodes: Any, row: int, observation: str) -> list[int]:
+        """The ids of an observation, appended right after the model's turn (which ended at EOS).
+
+        With a chat template it is the template's next user message plus the generation prompt: the part of
+        the rendered conversation after the model's turn (so the trajectory's ids are the template's rendering
+        of the whole conversation). Otherwise the observation's own tokens.
+        """
+        tok = self.tokenizer
+        if not self.use_chat_template:
+            return list(tok(observation, add_special_tokens=False)["input_ids"])
+        messages = [{"role": "user", "content": episodes.first[row]}]
+        for i, action in enumerate(episodes.actions[row]):
+            messages.append({"role": "assistant", "content": action})
+            if i < len(episodes.actions[row]) - 1:
+                messages.append({"role": "user", "content": episodes.observations[row][i]})
+        before = self._template(messages, add_generation_prompt=False)
+        episodes.observations[row].append(observation)
+        after = self._template([*messages, {"role": "user", "content": observation}], add_generation_prompt=True)
+        turn_end = self._template(messages[:-1], add_generation_prompt=True) + episodes.actions[row][-1] + tok.eos_token
+        if not (after.startswith(before) and before.startswith(turn_end)):
+            raise ValueError(f"the chat template of {type(tok).__name__} does not render a conversation as a "
+                             "prefix of its continuation; multi-turn episodes need one that does")
+        return list(tok(after[len(turn_end):], add_special_tokens=False)["input_ids"])
+
+    def sampler_extras(self, generator: torch.Generator | None) -> dict[str, Any]:
+        """The engine arguments for the extra sampler outputs requested (none for held-out rollouts)."""
+        if generator is None or not (self.record_topk or self.record_aux_draws):
+            return {}
+        extras: dict[str, Any] = {"topk": self.record_topk, "aux_draws": self.record_aux_draws}
+        if self.record_aux_draws:
+            if self._aux_generator is None or self._aux_generator.device != generator.device:
+                self._aux_generator = torch.Generator(device=generator.device)
+            rank, _ = self._world()
+            self._aux_generator.manual_seed(((self.seed * 1_000_003 + rank) * 1_000_033 + self.cursor) * 31 + 7)
+            extras["aux_generator"] = self._aux_generator
+        return extras
 
     def _generator(self, device: torch.device, step: int) -> torch.Generator:
         """The sampling generator for ``step`` on this rank, seeded from ``(seed, rank, step)``.
@@ -224,57 +300,21 @@ class RolloutDataModule(LightningDataModule):
         if train and self._injected:
             self.cursor += 1
             return self._injected.pop(0).to(device)
-        group = self.group_size if train else 1
-        prompts = [p for p in batch.prompts for _ in range(group)]
-        indices = [i for i in batch.indices for _ in range(group)]
-        t0 = time.perf_counter()
-        prompt_ids, prompt_mask = self._encode(prompts, device)
+        if train and not batch.prompts:  # drawn now, with the sampler's weights of this moment
+            batch = self.prompt_batch(batch.step)
         model = self.sampler() if train else module.policy
         was_training = model.training
         model.eval()
         try:
-            gen = self.engine.generate(
-                model, prompt_ids, prompt_mask, self.max_new_tokens,
-                eos_token_id=module.tokenizer.eos_token_id, pad_token_id=module.tokenizer.pad_token_id,
-                temperature=self.temperature, top_p=self.top_p, greedy=not train,
-                generator=self._generator(device, batch.step) if train else None,
-            )
+            out = self.strategy.rollout(self, batch, model, self._generator(device, batch.step) if train else None)
         except FloatingPointError as err:
             where = f"step {batch.step}" if train else f"validation after step {module.global_step}"
             raise FloatingPointError(f"rollout at {where}: {err}") from err
-        model.train(was_training)
-        t1 = time.perf_counter()
-        lengths = gen.mask.sum(dim=1).tolist()  # generated tokens per row (EOS included); padding follows
-        responses = module.tokenizer.batch_decode(
-            [row[:n] for row, n in zip(gen.response_ids.tolist(), lengths)], skip_special_tokens=True
-        )
-        def make_batch(rewards: list[float], reward_time: float) -> RolloutBatch:
-            return RolloutBatch.from_generation(
-                prompt_ids, prompt_mask, gen,
-                rewards=torch.tensor(rewards, dtype=torch.float32, device=device),
-                group_size=group,
-                prompt_index=torch.tensor(indices, dtype=torch.long, device=device),
-                temperature=self.temperature,
-                top_p=self.top_p,
-                prompts=prompts,
-                responses=responses,
-                rollout_time=t1 - t0,
-                reward_time=reward_time,
-            )
-
-        rewards: list[float] = []
-        try:
-            for prompt, response in zip(prompts, responses):
-                rewards.append(score(self.reward_fn, prompt, response))
-        except RewardError as err:  # keep the responses so the failure can be replayed (FailureDump)
-            if train:
-                err.rollout_batch = make_batch(  # type: ignore[attr-defined]
-                    rewards + [float("nan")] * (len(prompts) - len(rewards)), time.perf_counter() - t1)
-            raise
-        t2 = time.perf_counter()
+        finally:
+            model.train(was_training)
         if train:
             self.cursor += 1
-        return make_batch(rewards, t2 - t1)
+        return out
 
     def inject(self, batch: RolloutBatch) -> None:
         """Train the next step on ``batch`` instead of generating one (``rl-lightning replay`` uses it).

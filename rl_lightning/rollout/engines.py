@@ -14,6 +14,7 @@ tokens (a test checks it), so either can serve as the other's reference. Plug on
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -33,8 +34,10 @@ class RolloutEngine(ABC):
     def generate(
         self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, max_new_tokens: int, eos_token_id: int,
         pad_token_id: int, temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
-        generator: torch.Generator | None = None,
-    ) -> Generation: ...
+        generator: torch.Generator | None = None, **extras: Any,
+    ) -> Generation:
+        """``extras`` are passed only when a configuration asks for extra sampler outputs: ``topk`` (int),
+        ``aux_draws`` (int) and ``aux_generator``; an engine that cannot record them raises ``ValueError``."""
 
 
 class KVCacheEngine(RolloutEngine):
@@ -56,11 +59,11 @@ class KVCacheEngine(RolloutEngine):
         self.static_cache = static_cache
 
     def generate(self, model, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id,  # noqa: ANN001
-                 temperature=1.0, top_p=1.0, greedy=False, generator=None) -> Generation:
+                 temperature=1.0, top_p=1.0, greedy=False, generator=None, **extras) -> Generation:
         return sample(model, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id,
                       temperature=temperature, top_p=top_p, greedy=greedy, generator=generator,
                       drop_finished=self.drop_finished, compact_below=self.compact_below,
-                      static_cache=self.static_cache)
+                      static_cache=self.static_cache, **extras)
 
 
 class HFGenerateEngine(RolloutEngine):
@@ -72,7 +75,10 @@ class HFGenerateEngine(RolloutEngine):
 
     @torch.no_grad()
     def generate(self, model, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id,  # noqa: ANN001
-                 temperature=1.0, top_p=1.0, greedy=False, generator=None) -> Generation:
+                 temperature=1.0, top_p=1.0, greedy=False, generator=None, **extras) -> Generation:
+        if extras.get("topk") or extras.get("aux_draws"):
+            raise ValueError("HFGenerateEngine does not record extra sampler outputs (topk, aux_draws); use "
+                             "KVCacheEngine")
         config = GenerationConfig(
             do_sample=not greedy, temperature=temperature if not greedy else None,
             top_p=top_p if not greedy else None, top_k=0, max_new_tokens=max_new_tokens,

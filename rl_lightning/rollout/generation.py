@@ -25,6 +25,22 @@ class Generation:
     logprobs: Tensor  # sampler log-prob of each generated token (0 on padding)
     mask: Tensor  # 1 on generated tokens (EOS included)
     truncated: Tensor  # [N] bool: no EOS within max_new_tokens
+    topk_ids: Tensor | None = None  # [N, T, k] the sampling distribution's k most likely ids (on request)
+    topk_logprobs: Tensor | None = None  # [N, T, k] their log-probs, normalised over the full vocabulary
+    aux_ids: Tensor | None = None  # [N, T, K] K extra draws from the sampling distribution (on request)
+
+
+def sampler_extras(logp_all: Tensor, topk: int, aux_draws: int, aux_generator: torch.Generator | None
+                   ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """Per position (``logp_all``: ``[N, V]`` log-probs of the sampling distribution): the top-``topk`` ids and
+    their full-vocabulary log-probs, and ``aux_draws`` draws from it with ``aux_generator`` -- a generator of its
+    own, so the sampled tokens are the same with or without them (Score Centering, StableReinforce)."""
+    ids = lps = aux = None
+    if topk > 0:
+        lps, ids = logp_all.topk(min(topk, logp_all.shape[-1]), dim=-1)
+    if aux_draws > 0:
+        aux = torch.multinomial(logp_all.exp(), aux_draws, replacement=True, generator=aux_generator)
+    return ids, lps, aux
 
 
 #: drop finished rows from the forward batch once the running ones are at most this fraction of it
@@ -68,6 +84,9 @@ def sample(
     drop_finished: bool = True,
     compact_below: float = DEFAULT_COMPACT_BELOW,
     static_cache: bool = True,
+    topk: int = 0,
+    aux_draws: int = 0,
+    aux_generator: torch.Generator | None = None,
 ) -> Generation:
     """Generate up to ``max_new_tokens`` tokens per row of a left-padded prompt batch.
 
@@ -84,6 +103,9 @@ def sample(
     With ``static_cache`` and a model that ``static_decode.supports`` (Llama / Qwen2 / Mistral decoders), the
     decode steps run on ``StaticDecoder``: the same arithmetic on a pre-allocated KV cache without Hugging
     Face's per-step machinery. Other models, and ``static_cache=False``, use the model's own forward.
+
+    On request it also records, per generated position, the ``topk`` most likely ids with their log-probs and
+    ``aux_draws`` independent draws (``sampler_extras``; 0 on padding positions).
     """
     check_compact_below(compact_below)
     batch = input_ids.shape[0]
@@ -105,7 +127,7 @@ def sample(
     rows = torch.arange(batch, device=device)  # original row of each row of the forward batch
     next_pos = positions[:, -1:] + 1
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
-    ids, logps, masks = [], [], []
+    ids, logps, masks, extras = [], [], [], []
     for step in range(max_new_tokens):
         if rows.numel() < batch:  # finished rows were dropped: scatter into a full-size [N, V] table
             logits = logits.new_zeros(batch, logits.shape[-1]).index_copy_(0, rows, logits)
@@ -117,6 +139,8 @@ def sample(
             token = torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=generator).squeeze(-1)
         logp = logp_all.gather(-1, token.unsqueeze(-1)).squeeze(-1)
         active = ~finished
+        if topk or aux_draws:
+            extras.append(sampler_extras(logp_all, topk, aux_draws, aux_generator))
         token = torch.where(active, token, torch.full_like(token, pad_token_id))
         ids.append(token)
         logps.append(torch.where(active, logp, torch.zeros_like(logp)))
@@ -143,9 +167,12 @@ def sample(
             cache, logits = _returned_cache(out), out.logits[:, -1]
         next_pos = next_pos + 1
     mask = torch.stack(masks, dim=1)
+    stacked = [None if column[0] is None else torch.stack(column, dim=1).masked_fill(~mask.unsqueeze(-1), 0)
+               for column in zip(*extras)] if extras else [None, None, None]
     return Generation(
         response_ids=torch.stack(ids, dim=1),
         logprobs=torch.stack(logps, dim=1),
         mask=mask.long(),
         truncated=~finished,
+        topk_ids=stacked[0], topk_logprobs=stacked[1], aux_ids=stacked[2],
     )

@@ -1,0 +1,245 @@
+"""Multi-turn episodes: exact-token trajectories, masks, limits, the KV cache carried over, bad environments."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+from typing import Any
+
+import pytest
+import torch
+
+from rl_lightning.algorithms import GRPO
+from rl_lightning.envs import EnvError, Environment, Prompt, Task
+from rl_lightning.functional import gae
+from rl_lightning.functional.advantages import outcome_token_rewards
+from rl_lightning.rollout import GroupRollout, RolloutBatch, RolloutDataModule
+from tests.rollout.rollout_helpers import fake_trainer
+
+
+class CountdownEnv(Environment):
+    """Replies ``"n<k>:"`` after each turn; ends after ``turns`` turns with reward = number of turns answered
+    ``"a"``; raises on the action ``"!"`` when ``fragile``."""
+
+    def __init__(self, turns: int, fragile: bool = False) -> None:
+        self.turns, self.fragile, self.seen = turns, fragile, []
+
+    def reset(self, seed=None, options=None):  # noqa: ANN001, ANN201
+        self.seen = []
+        return "go:", {}
+
+    def step(self, action: str):  # noqa: ANN201
+        if self.fragile and "!" in action:
+            raise KeyError("boom")
+        self.seen.append(action)
+        done = len(self.seen) >= self.turns
+        return ("" if done else f"n{len(self.seen)}:"), float(action == "a"), done, False, {}
+
+
+class CountdownTask(Task):
+    def __init__(self, turns: int = 3, fragile: bool = False) -> None:
+        self.turns, self.fragile = turns, fragile
+
+    def train_prompt(self, index: int) -> Prompt:
+        return Prompt("go:", metadata={"uid": index % 3})
+
+    def heldout_prompts(self) -> list[Prompt]:
+        return [Prompt("go:", metadata={"uid": 100 + i}) for i in range(4)]
+
+    def make_env(self, prompt: Prompt, reward_fn: Any) -> CountdownEnv:
+        return CountdownEnv(self.turns, self.fragile)
+
+
+@pytest.fixture(scope="module")
+def module() -> GRPO:
+    torch.manual_seed(0)
+    return GRPO(model_name_or_path="embedded:random")
+
+
+def rollout(module: GRPO, strategy: GroupRollout, task: Task | None = None, step: int = 0, **kwargs: Any) -> RolloutBatch:
+    dm = RolloutDataModule(task=task or CountdownTask(), prompts_per_step=2, group_size=3, max_new_tokens=3,
+                           strategy=strategy, **kwargs)
+    dm.trainer = fake_trainer(module)
+    dm.cursor = step
+    return dm.rollout(dm.prompt_batch(step))
+
+
+def test_the_trajectory_is_the_sampled_ids_with_the_observation_ids_between_them(module):
+    batch = rollout(module, GroupRollout(max_turns=3))
+    tok = module.tokenizer
+    assert (batch.num_turns == 3).all()
+    assert not (batch.loss_mask.bool() & batch.obs_mask.bool()).any()
+    for row in range(batch.num_rows):
+        ids = batch.response_ids[row]
+        turns = batch.turn_index[row]
+        for turn in range(3):  # each turn's ids are model ids with that turn index, contiguous
+            positions = (turns == turn).nonzero().flatten()
+            assert positions.numel() >= 1 and (positions.diff() == 1).all()
+            assert batch.loss_mask[row, positions].all()
+        obs_ids = ids[batch.obs_mask[row].bool()].tolist()
+        assert obs_ids == tok("n1:", add_special_tokens=False)["input_ids"] + tok("n2:", add_special_tokens=False)["input_ids"]
+        # the observation follows its turn immediately, and the turn before it is model ids
+        first_obs = int(batch.obs_mask[row].nonzero()[0])
+        assert batch.loss_mask[row, first_obs - 1] == 1 and batch.turn_index[row, first_obs - 1] == 0
+        assert (batch.attention_mask[row, batch.prompt_length:].bool()
+                == (batch.loss_mask[row].bool() | batch.obs_mask[row].bool())).all()
+    assert batch.turn_rewards.shape == (6, 3)
+    assert torch.equal(batch.rewards, batch.turn_rewards.nansum(dim=1))
+
+
+def test_the_learner_recomputes_the_samplers_logprobs_on_episodes(module):
+    batch = rollout(module, GroupRollout(max_turns=3), temperature=0.7)
+    with torch.no_grad():
+        logprobs, _ = module.token_logprobs(batch)
+    mask = batch.loss_mask.bool()
+    # a bound far below what a wrong context would give (an observation token missing from the cache, or a
+    # position shifted, changes log-probs by O(1e-1)); fp32 rounding over this 4-layer model is ~1e-6
+    assert (logprobs - batch.sampler_logprobs)[mask].abs().max() < 1e-4
+    assert (logprobs[~mask] == 0).all()
+
+
+def test_carrying_the_cache_equals_re_encoding_the_history(module):
+    carried = rollout(module, GroupRollout(max_turns=3))
+    again = rollout(module, GroupRollout(max_turns=3, carry_cache=False))
+    assert torch.equal(carried.input_ids, again.input_ids)
+    assert torch.equal(carried.loss_mask, again.loss_mask) and torch.equal(carried.obs_mask, again.obs_mask)
+    assert (carried.sampler_logprobs - again.sampler_logprobs).abs().max() < 1e-4
+
+
+def test_limits_end_runaway_episodes_and_flag_them(module):
+    turns = rollout(module, GroupRollout(max_turns=2), task=CountdownTask(turns=10))
+    assert (turns.num_turns == 2).all() and turns.truncated.all()
+    tokens = rollout(module, GroupRollout(max_turns=10, max_episode_tokens=8), task=CountdownTask(turns=10))
+    lengths = (tokens.loss_mask + tokens.obs_mask).sum(dim=1)
+    assert (lengths <= 8).all() and tokens.truncated.all()
+
+
+def test_single_turn_tasks_are_one_step_episodes(module):
+    from rl_lightning.envs import ArithmeticTask
+
+    batch = rollout(module, GroupRollout(), task=ArithmeticTask(num_heldout=4))
+    assert batch.obs_mask is None and batch.turn_index is None  # one generate call, as before
+    assert batch.prompt_id.tolist() == [p.uid for p in batch.prompts]
+
+
+def test_an_environment_that_raises_names_episode_turn_and_action(module, monkeypatch):
+    from rl_lightning.rollout import episodes
+
+    real = episodes.sample_episodes
+
+    def forcing(model, prompts, observe, **kwargs):  # noqa: ANN001, ANN202 -- row 1's second turn answers "!"
+        def wrapped(rows, actions):  # noqa: ANN001, ANN202
+            actions = [a if not (r == 1 and len(seen.get(r, [])) == 1) else module.tokenizer("!")["input_ids"]
+                       for r, a in zip(rows, actions)]
+            for r in rows:
+                seen.setdefault(r, []).append(1)
+            return observe(rows, actions)
+        seen: dict[int, list[int]] = {}
+        return real(model, prompts, wrapped, **kwargs)
+
+    monkeypatch.setattr("rl_lightning.rollout.strategies.sample_episodes", forcing)
+    with pytest.raises(EnvError, match=r"CountdownEnv raised KeyError: 'boom' \(episode prompt='go:', turn 1, "
+                                       r"action='!'\)"):
+        rollout(module, GroupRollout(max_turns=3), task=CountdownTask(fragile=True))
+    batch = rollout(module, GroupRollout(max_turns=3, env_errors="fail_episode"), task=CountdownTask(fragile=True))
+    assert batch.env_errors == 1
+    assert batch.num_turns[1] == 2 and (batch.num_turns[[0, 2, 3, 4, 5]] == 3).all()
+
+
+def test_per_row_extras_survive_select_and_unknown_attributes_are_refused(module):
+    batch = rollout(module, GroupRollout(max_turns=3))
+    batch.extras["score"] = torch.arange(6.0)
+    part = batch.select(torch.tensor([4, 1]))
+    assert part.extras["score"].tolist() == [4.0, 1.0]
+    assert part.turn_index.shape[0] == 2 and part.num_turns.shape == (2,) and part.prompt_id.shape == (2,)
+    with pytest.raises(AttributeError, match="extras"):
+        batch.my_tensor = torch.zeros(6)
+
+
+def test_the_outcome_reward_sits_on_the_last_model_token_and_observations_get_nothing(module):
+    batch = rollout(module, GroupRollout(max_turns=3))
+    rewards = torch.arange(1.0, 7.0)
+    token_rewards = outcome_token_rewards(rewards, batch.loss_mask)
+    for row in range(batch.num_rows):
+        last_model = int(batch.loss_mask[row].nonzero()[-1])
+        assert token_rewards[row, last_model] == rewards[row]
+        assert token_rewards[row][batch.obs_mask[row].bool()].abs().sum() == 0
+    values = torch.randn(batch.loss_mask.shape) * batch.loss_mask
+    adv, _ = gae(token_rewards, values, batch.loss_mask, gamma=1.0, lam=0.95)
+    assert (adv[batch.obs_mask.bool()] == 0).all()
+    # removing the observation columns (same values at the model tokens) leaves the model tokens' advantages
+    for row in range(batch.num_rows):
+        keep = batch.loss_mask[row].bool()
+        compact_mask = torch.ones(1, int(keep.sum()))
+        compact, _ = gae(token_rewards[row, keep][None], values[row, keep][None], compact_mask, 1.0, 0.95)
+        assert torch.allclose(compact[0], adv[row, keep], atol=1e-6)
+
+
+def test_snapshots_branch_an_episode():
+    from rl_lightning.envs import GuessNumberEnv
+
+    env = GuessNumberEnv(secret=20)
+    env.reset()
+    env.step("16")
+    state = env.snapshot()
+    first = [env.step(a) for a in ("24", "20")]
+    env.restore(state)
+    again = [env.step(a) for a in ("24", "20")]
+    assert first == again and first[-1][1] == 1.0
+    clone = pickle.loads(pickle.dumps(copy.deepcopy(state)))
+    env.restore(clone)
+    assert env.guesses == [16]
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}{% if m['role'] == 'assistant' %}"
+                 "{{ eos_token }}{% endif %}|{% endfor %}{% if add_generation_prompt %}a:{% endif %}")
+
+
+def conversation_ids(tokenizer, batch: RolloutBatch, row: int, observations: list[str]) -> tuple[list[int], list[int]]:
+    """(the trajectory's ids, the template's rendering of the whole conversation, tokenised)."""
+    prompt = batch.input_ids[row, : batch.prompt_length][batch.attention_mask[row, : batch.prompt_length].bool()]
+    response = batch.response_ids[row][(batch.loss_mask[row] | batch.obs_mask[row]).bool()]
+    messages = [{"role": "user", "content": "go:"}]
+    for turn in range(int(batch.num_turns[row])):
+        ids = batch.response_ids[row][batch.turn_index[row] == turn].tolist()
+        messages.append({"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)})
+        if turn < int(batch.num_turns[row]) - 1:
+            messages.append({"role": "user", "content": observations[turn]})
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False)
+    return prompt.tolist() + response.tolist(), tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+
+def test_with_a_chat_template_the_trajectory_is_the_templates_rendering_of_the_conversation():
+    module = GRPO(model_name_or_path="embedded:arithmetic")  # answers digits then EOS: no special ids mid-turn
+    module.tokenizer.chat_template = CHAT_TEMPLATE
+    dm = RolloutDataModule(task=CountdownTask(), prompts_per_step=2, group_size=1, max_new_tokens=4,
+                           use_chat_template=True, strategy=GroupRollout(max_turns=3))
+    dm.trainer = fake_trainer(module)
+    batch = dm.rollout(dm.val_prompt_batches()[0])  # greedy
+    assert (batch.num_turns == 3).all()
+    for row in range(batch.num_rows):
+        trajectory, rendered = conversation_ids(module.tokenizer, batch, row, ["n1:", "n2:"])
+        # the same ids up to the last turn's EOS; the template closes the last message after it ("|")
+        assert rendered[: len(trajectory)] == trajectory
+        assert module.tokenizer.decode(rendered[len(trajectory):]) == "|"
+    assert module.tokenizer.decode(batch.response_ids[0][batch.obs_mask[0].bool()]) == "|u:n1:|a:|u:n2:|a:"
+
+
+def test_observation_tokens_get_zero_loss_and_zero_kl(module):
+    from rl_lightning.algorithms.base import PolicyOutput
+    from rl_lightning.callbacks import KLRegularizer
+
+    batch = rollout(module, GroupRollout(max_turns=3))
+    batch.rewards = torch.arange(6.0)
+    weights = module.loss_weights(batch)
+    assert (weights[batch.obs_mask.bool()] == 0).all() and (weights[batch.loss_mask.bool()] > 0).all()
+    advantages = module.compute_advantages(batch).unsqueeze(-1)
+    logprobs = torch.randn(batch.loss_mask.shape) * batch.loss_mask
+    noise = torch.randn(batch.loss_mask.shape) * batch.obs_mask  # anything at the observation positions
+    loss, _ = module.policy_loss(batch, PolicyOutput(logprobs), advantages, weights)
+    noisy, _ = module.policy_loss(batch, PolicyOutput(logprobs + noise), advantages, weights)
+    assert torch.equal(loss, noisy)
+    kl = KLRegularizer(beta=0.1, estimator="k3", target="sampler")
+    term, _ = kl.loss_term(module, batch, logprobs, weights)
+    noisy_term, _ = kl.loss_term(module, batch, logprobs + noise, weights)
+    assert torch.equal(term, noisy_term) and term != 0
