@@ -225,12 +225,13 @@ class RolloutDataModule(LightningDataModule):
     def _encode(self, prompts: list[Prompt], device: torch.device) -> tuple[Tensor, Tensor]:
         return self.encode_first(prompts, None, device)
 
-    def encode_observation(self, episodes: Any, row: int, observation: str) -> list[int]:
-        """The ids of an observation, appended right after the model's turn (which ended at EOS).
+    def encode_observation(self, episodes: Any, row: int, observation: str, closed: bool = True) -> list[int]:
+        """The ids of an observation, appended right after the model's turn.
 
         With a chat template it is the template's next user message plus the generation prompt: the part of
         the rendered conversation after the model's turn (so the trajectory's ids are the template's rendering
-        of the whole conversation). Otherwise the observation's own tokens.
+        of the whole conversation); a turn cut before its EOS (``closed=False``) gets the EOS as the first
+        observation id. Otherwise the observation's own tokens.
         """
         tok = self.tokenizer
         if not self.use_chat_template:
@@ -247,7 +248,8 @@ class RolloutDataModule(LightningDataModule):
         if not (after.startswith(before) and before.startswith(turn_end)):
             raise ValueError(f"the chat template of {type(tok).__name__} does not render a conversation as a "
                              "prefix of its continuation; multi-turn episodes need one that does")
-        return list(tok(after[len(turn_end):], add_special_tokens=False)["input_ids"])
+        ids = list(tok(after[len(turn_end):], add_special_tokens=False)["input_ids"])
+        return ids if closed else [tok.eos_token_id, *ids]
 
     def sampler_extras(self, generator: torch.Generator | None) -> dict[str, Any]:
         """The engine arguments for the extra sampler outputs requested (none for held-out rollouts)."""

@@ -161,7 +161,8 @@ class GroupRollout(RolloutStrategy):
                 text = tok.decode(episodes.pending[row] + list(ids), skip_special_tokens=True)
                 episodes.pending[row] = []
                 obs, over = episodes.step(row, text)
-                out.append(None if over else dm.encode_observation(episodes, row, obs))
+                closed = bool(ids) and ids[-1] == tok.eos_token_id
+                out.append(None if over else dm.encode_observation(episodes, row, obs, closed))
             return out
 
         stop = self._stop_check(tok) if self.stop_strings else None

@@ -209,20 +209,35 @@ def conversation_ids(tokenizer, batch: RolloutBatch, row: int, observations: lis
     return prompt.tolist() + response.tolist(), tokenizer(rendered, add_special_tokens=False)["input_ids"]
 
 
-def test_with_a_chat_template_the_trajectory_is_the_templates_rendering_of_the_conversation():
+@pytest.mark.parametrize("turn_tokens", [None, 1], ids=["turns-end-at-eos", "turns-cut-before-eos"])
+def test_with_a_chat_template_the_trajectory_is_the_templates_rendering_of_the_conversation(turn_tokens):
     module = GRPO(model_name_or_path="embedded:arithmetic")  # answers digits then EOS: no special ids mid-turn
     module.tokenizer.chat_template = CHAT_TEMPLATE
-    dm = RolloutDataModule(task=CountdownTask(), prompts_per_step=2, group_size=1, max_new_tokens=4,
-                           use_chat_template=True, strategy=GroupRollout(max_turns=3))
+    dm = RolloutDataModule(task=CountdownTask(), prompts_per_step=2, group_size=4, max_new_tokens=4,
+                           use_chat_template=True,
+                           strategy=GroupRollout(max_turns=3, max_turn_tokens=turn_tokens, max_episode_tokens=60))
     dm.trainer = fake_trainer(module)
-    batch = dm.rollout(dm.val_prompt_batches()[0])  # greedy
+    batch = dm.rollout(dm.prompt_batch(0))  # sampled (seeded): some turns are cut before EOS at 1 token
     assert (batch.num_turns == 3).all()
+    cuts = 0
     for row in range(batch.num_rows):
         trajectory, rendered = conversation_ids(module.tokenizer, batch, row, ["n1:", "n2:"])
-        # the same ids up to the last turn's EOS; the template closes the last message after it ("|")
+        # the same ids up to the end of the last turn; the template then closes the last message
         assert rendered[: len(trajectory)] == trajectory
-        assert module.tokenizer.decode(rendered[len(trajectory):]) == "|"
-    assert module.tokenizer.decode(batch.response_ids[0][batch.obs_mask[0].bool()]) == "|u:n1:|a:|u:n2:|a:"
+        closed = trajectory[-1] == module.tokenizer.eos_token_id
+        assert module.tokenizer.decode(rendered[len(trajectory):]) == ("|" if closed else "<eos>|")
+        # a turn cut before EOS gets it from the template's next message (an observation id, not a model id)
+        ids, obs = batch.response_ids[row], batch.obs_mask[row].bool()
+        starts = [t for t in range(1, ids.numel()) if obs[t] and not obs[t - 1]]
+        assert len(starts) == 2
+        for start in starts:
+            cut = ids[start - 1] != module.tokenizer.eos_token_id
+            assert (ids[start] == module.tokenizer.eos_token_id) == bool(cut)
+            cuts += int(cut)
+        segments = module.tokenizer.decode(ids[obs]).replace("<eos>", "")
+        assert segments == "|u:n1:|a:|u:n2:|a:"  # the template's next user message and generation prompt
+    if turn_tokens == 1:
+        assert cuts > 0  # one token per turn: digits are cut before their EOS
 
 
 def test_observation_tokens_get_zero_loss_and_zero_kl(module):
