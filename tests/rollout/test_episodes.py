@@ -258,3 +258,18 @@ def test_observation_tokens_get_zero_loss_and_zero_kl(module):
     term, _ = kl.loss_term(module, batch, logprobs, weights)
     noisy_term, _ = kl.loss_term(module, batch, logprobs + noise, weights)
     assert torch.equal(term, noisy_term) and term != 0
+
+
+def test_ppo_advantages_skip_observation_tokens(module):
+    from rl_lightning.algorithms import PPO
+
+    torch.manual_seed(0)
+    ppo = PPO(model_name_or_path="embedded:random")
+    batch = rollout(module, GroupRollout(max_turns=3))
+    batch.rewards = torch.arange(6.0)
+    with torch.no_grad():
+        advantages = ppo.compute_advantages(batch)
+    assert advantages.shape == batch.loss_mask.shape
+    assert (advantages[batch.obs_mask.bool()] == 0).all()
+    assert (advantages[batch.loss_mask.bool()] != 0).any()
+    assert (batch.values[batch.obs_mask.bool()] == 0).all()  # the critic's values are masked there too
