@@ -61,3 +61,30 @@ def test_smollm2_grpo_two_steps_on_cpu(tmp_path):
     print(f"\nsampler_logp_diff at step 0: {diff:.3g}; train/reward {[e.value for e in acc.Scalars('train/reward')]}; "
           f"val/reward {[e.value for e in acc.Scalars('val/reward')]}; timings (s): {timings}")
     shutil.rmtree(tmp_path / "runs" / "grpo_smollm2" / "version_0" / "checkpoints", ignore_errors=True)  # ~1.6 GB
+
+
+@pytest.mark.slow
+def test_smollm2_multi_turn_trajectory_is_the_chat_templates_rendering():
+    """With SmolLM2's own chat template, a multi-turn episode's ids are exactly the template's rendering of the
+    conversation (the observations are its next user messages), up to the last turn's <|im_end|>."""
+    build = subprocess.run([sys.executable, str(REPO / "experiments" / "smollm2.py"), "--cache-dir", str(CACHE_DIR)],
+                           capture_output=True, text=True, env=_env(), timeout=1800)
+    assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-4000:]
+    from rl_lightning.algorithms import GRPO
+    from rl_lightning.rollout import GroupRollout, RolloutDataModule
+    from tests.rollout.rollout_helpers import fake_trainer
+    from tests.rollout.test_episodes import CountdownTask, conversation_ids
+
+    module = GRPO(model_name_or_path=str(CACHE_DIR / "SmolLM2-135M-Instruct"))
+    dm = RolloutDataModule(task=CountdownTask(), prompts_per_step=2, group_size=1, max_new_tokens=12,
+                           use_chat_template=True, strategy=GroupRollout(max_turns=3, max_episode_tokens=200))
+    dm.trainer = fake_trainer(module)
+    batch = dm.rollout(dm.val_prompt_batches()[0])  # greedy
+    tok = module.tokenizer
+    for row in range(batch.num_rows):
+        turns = int(batch.num_turns[row])
+        assert turns >= 2
+        trajectory, rendered = conversation_ids(tok, batch, row, ["n1:", "n2:"][: turns - 1])
+        # the same ids up to the end of the last turn (a turn cut before <|im_end|> gets it from the template's
+        # next message, as an observation id); the template then closes the last message
+        assert rendered[: len(trajectory)] == trajectory
