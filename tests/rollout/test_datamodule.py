@@ -78,7 +78,8 @@ def test_train_dataloader_starts_at_cursor():
     it = iter(dm.train_dataloader())
     first, second = next(it), next(it)
     assert isinstance(first, PromptBatch) and (first.step, second.step) == (5, 6)
-    assert first.indices == [10, 11]
+    # the loader only names the step: its prompts are drawn when the rollout starts (after the previous update)
+    assert first.prompts == [] and dm.prompt_batch(first.step).indices == [10, 11]
 
 
 def test_needs_a_module_with_policy_and_tokenizer():
