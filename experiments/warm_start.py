@@ -1,11 +1,13 @@
-"""Build the embedded default policy ``embedded:arithmetic``: a tiny Llama warm-started on 2-digit addition.
+"""Build the embedded warm starts: a tiny Llama warm-started on arithmetic (default: ``embedded:arithmetic``).
 
 RL needs a policy that is neither hopeless nor already solved, so this script trains the tiny Llama from
-``rl_lightning.models.policy.build_tiny_policy`` with plain supervised steps on ``ArithmeticTask`` (2-digit
-``+``) and stops as soon as its greedy exact-match accuracy on the 500 held-out problems reaches
-``--target-accuracy`` (default 0.30, accepted up to ``--max-accuracy`` = 0.50). It then saves the model
-(safetensors, fp32, ~4.3 MB), the character tokenizer and ``warm_start.json`` (settings, steps, accuracy,
-wall time, library versions) into ``rl_lightning/models/assets/arithmetic``.
+``rl_lightning.models.policy.build_tiny_policy`` with plain supervised steps on ``ArithmeticTask`` (by default
+2-digit ``+``; ``--num-digits`` and ``--operations`` choose another task) and stops as soon as its greedy
+exact-match accuracy on the task's 500 held-out problems reaches ``--target-accuracy`` (default 0.30, accepted
+up to ``--max-accuracy`` = 0.50). It then saves the model (safetensors, fp32, ~4.3 MB), the character tokenizer
+and ``warm_start.json`` (settings, task, steps, accuracy, wall time, library versions, the command) into
+``--out`` (default ``rl_lightning/models/assets/arithmetic``; ``embedded:<name>`` loads
+``rl_lightning/models/assets/<name>``).
 
 The convention is the one the RL code uses:
 
@@ -14,7 +16,7 @@ The convention is the one the RL code uses:
 * correct: the greedy generation (at most 6 new tokens), cut at the first ``<eos>`` and stripped, equals
   the answer exactly.
 
-Training prompts are ``ArithmeticTask().train_prompt(step * batch_size + row)``, a stream that never yields
+Training prompts are ``ArithmeticTask(...).train_prompt(step * batch_size + row)``, a stream that never yields
 a held-out problem. Everything runs on CPU and is deterministic for a given ``--seed``.
 
 Evaluation runs every ``--coarse-eval-every`` steps (100) until the accuracy first reaches
@@ -27,7 +29,9 @@ stops at the first step in range. Only if a single step jumps past ``--max-accur
 
 Reproduce (from anywhere; relative ``--out`` paths are taken from the repository root)::
 
-    python experiments/warm_start.py
+    python experiments/warm_start.py          # embedded:arithmetic (2-digit addition, held-out accuracy 0.346)
+    python experiments/warm_start.py --num-digits 3 --target-accuracy 0.15 --max-accuracy 0.25 --max-steps 6000 \
+        --out rl_lightning/models/assets/arithmetic_hard    # embedded:arithmetic_hard (3-digit +, 0.200)
 """
 
 from __future__ import annotations
@@ -55,7 +59,8 @@ from rl_lightning.envs.arithmetic import ArithmeticTask  # noqa: E402
 from rl_lightning.envs.base import Prompt  # noqa: E402
 from rl_lightning.models.policy import build_tiny_policy  # noqa: E402
 
-MAX_NEW_TOKENS = 6
+MAX_NEW_TOKENS = 6  # the configs' data.init_args.max_new_tokens: a 4-digit sum + <eos> fits
+DEFAULT_OUT = Path("rl_lightning/models/assets/arithmetic")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -63,6 +68,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     p.add_argument("--seed", type=int, default=0, help="seeds the model init (and all torch randomness)")
+    p.add_argument("--num-digits", type=int, default=2, help="digits per operand of the ArithmeticTask")
+    p.add_argument("--operations", nargs="+", default=["+"], choices=["+", "-", "*"],
+                   help="operators of the ArithmeticTask (quote '*' in the shell)")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (constant)")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--eval-every", type=int, default=25, help="steps between evaluations once accuracy >= --fine-from")
@@ -73,8 +81,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-steps", type=int, default=3000)
     p.add_argument("--no-refine", dest="refine", action="store_false",
                    help="on overshoot, fail at once instead of replaying the last interval step by step")
-    p.add_argument("--out", type=Path, default=Path("rl_lightning/models/assets/arithmetic"),
-                   help="output directory (relative paths are taken from the repository root)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                   help="output directory (relative paths are taken from the repository root); required "
+                        "when the task is not the default one, so embedded:arithmetic is never overwritten")
     return p.parse_args(argv)
 
 
@@ -145,14 +154,22 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(
             f"need 0 < --target-accuracy ({args.target_accuracy}) <= --max-accuracy ({args.max_accuracy})"
         )
+    if (args.num_digits, args.operations) != (2, ["+"]) and args.out == DEFAULT_OUT:
+        raise SystemExit(
+            f"--num-digits {args.num_digits} --operations {' '.join(args.operations)} is not the task of "
+            f"{DEFAULT_OUT} (2-digit +): give --out, e.g. --out rl_lightning/models/assets/arithmetic_hard"
+        )
 
     t0 = time.perf_counter()
     torch.manual_seed(args.seed)
     torch.use_deterministic_algorithms(True)
     model, tokenizer = build_tiny_policy(seed=args.seed)
     model.train()
-    task = ArithmeticTask()
+    task = ArithmeticTask(num_digits=args.num_digits, operations=args.operations)
     heldout = task.heldout_prompts()
+    longest = max(len(tokenizer(p.answer, add_special_tokens=False)["input_ids"]) for p in heldout)
+    if longest + 1 > MAX_NEW_TOKENS:
+        raise SystemExit(f"answers of up to {longest} tokens + <eos> do not fit in {MAX_NEW_TOKENS} new tokens")
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
     def train_step(step: int) -> float:

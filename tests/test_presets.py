@@ -1,8 +1,10 @@
-"""Device presets (``configs/presets/*.yaml``) stack after a method's config as a second ``--config``.
+"""Device presets (``configs/presets/*.yaml``) and task presets (``configs/tasks/*.yaml``) stack after a
+method's config as a second ``--config``.
 
 GPU presets cannot build a ``Trainer`` on this CPU machine, so they are parsed with the real CLI parser
 (``build_cli`` with class instantiation switched off) and their classes (model, strategy) instantiated by the
-parser alone; the DDP preset is instantiated in full on CPU.
+parser alone; the DDP preset is instantiated in full on CPU. The hard task preset is instantiated in full after
+every method's config, and its warm start is checked to be right 10-25 % of the time on the preset's held-out set.
 """
 
 from __future__ import annotations
@@ -103,3 +105,81 @@ def test_fsdp_preset_builds_a_strategy_that_wraps_the_decoder_layers():
     assert LlamaDecoderLayer in policy._module_classes
     # the wrap policy names a class the default (embedded Llama) policy really contains
     assert any(isinstance(m, LlamaDecoderLayer) for m in built.model.policy.modules())
+
+
+# ---------------------------------------------------------------- task presets (configs/tasks/*.yaml)
+METHODS = ["pg", "reinforce", "rloo", "grpo", "ppo", "trpo"]
+TASKS = REPO / "configs" / "tasks"
+HARD = TASKS / "arithmetic_hard.yaml"
+
+
+def _as_dict(cli: RLCLI) -> dict:
+    """The resolved config, less the list of ``--config`` files it came from."""
+    config = cli.config.clone().as_dict()
+    config.pop("config", None)
+    return config
+
+
+def _differences(a: object, b: object, path: str = "") -> set[str]:
+    """Dotted keys whose values differ between two nested dicts."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return set().union(*[_differences(a.get(k), b.get(k), f"{path}.{k}" if path else k) for k in {*a, *b}])
+    return set() if a == b else {path}
+
+
+def test_the_task_presets_are_there():
+    assert {"arithmetic_hard", "calculator", "guess"} <= {p.stem for p in TASKS.glob("*.yaml")}
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_the_hard_task_preset_changes_only_the_task_and_the_model(method):
+    base = parse_only("--config", str(REPO / "configs" / f"{method}.yaml"))
+    hard = parse_only("--config", str(REPO / "configs" / f"{method}.yaml"), "--config", str(HARD))
+    assert _differences(_as_dict(base), _as_dict(hard)) == {
+        "model.init_args.model_name_or_path", "data.init_args.task.init_args.num_digits"}
+    assert hard.config.model.init_args.model_name_or_path == "embedded:arithmetic_hard"
+    assert hard.config.data.init_args.task.init_args.num_digits == 3
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_with_the_hard_task_preset_instantiates(method, tmp_path, monkeypatch):
+    from rl_lightning.algorithms import RLModule
+    from rl_lightning.envs import ArithmeticTask
+    from rl_lightning.rollout import RolloutDataModule
+
+    monkeypatch.chdir(tmp_path)
+    cli = build_cli(["--config", str(REPO / "configs" / f"{method}.yaml"), "--config", str(HARD),
+                     f"--trainer.default_root_dir={tmp_path}"], run=False)
+    assert isinstance(cli.model, RLModule) and cli.model.hparams.model_name_or_path == "embedded:arithmetic_hard"
+    assert isinstance(cli.datamodule, RolloutDataModule)
+    task = cli.datamodule.task
+    assert isinstance(task, ArithmeticTask) and (task.num_digits, task.operations) == (3, ["+"])
+    assert cli.trainer.max_steps > 0
+
+
+def test_the_hard_warm_start_is_right_10_to_25_percent_of_the_time_on_the_presets_heldout_set():
+    """Greedy exact match of ``embedded:arithmetic_hard`` on the first 200 of the preset's held-out prompts, as
+    ``val/reward`` computes it (BOS + prompt, greedy, cut at EOS). Deterministic: 0.200 on these 200 and on
+    all 500 (``warm_start.json``; the 2-digit warm start ``embedded:arithmetic`` scores 0.0 on them)."""
+    from rl_lightning.models.policy import load_policy
+    from rl_lightning.rollout.generation import sample
+
+    data = instantiate(parse_only("--config", str(GRPO), "--config", str(HARD))).data
+    task = data.task
+    prompts = task.heldout_prompts()[:200]
+    assert len(prompts[0].text) == len("123+456=")  # 3-digit operands
+    reward = task.default_reward()
+    model, tok = load_policy("embedded:arithmetic_hard")
+    model.eval()
+    rows = [[tok.bos_token_id, *tok(p.text, add_special_tokens=False)["input_ids"]] for p in prompts]
+    width = max(len(r) for r in rows)
+    input_ids = torch.tensor([[tok.pad_token_id] * (width - len(r)) + r for r in rows])
+    attention_mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    out = sample(model, input_ids, attention_mask, max_new_tokens=data.max_new_tokens,
+                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, greedy=True)
+    correct = 0
+    for prompt, ids, mask in zip(prompts, out.response_ids.tolist(), out.mask.tolist()):
+        ids = [i for i, m in zip(ids, mask) if m and i != tok.eos_token_id]
+        correct += reward(prompt, tok.decode(ids, skip_special_tokens=False))
+    accuracy = correct / len(prompts)
+    assert 0.10 <= accuracy <= 0.25, accuracy

@@ -4,6 +4,8 @@
 
 * ``"embedded:arithmetic"`` -- the warm-started tiny Llama shipped inside this package
   (``models/assets/arithmetic``, produced by ``experiments/warm_start.py``);
+* ``"embedded:<name>"`` -- any other asset directory ``models/assets/<name>``, e.g. ``"embedded:arithmetic_hard"``
+  (the same architecture warm-started on 3-digit addition, for ``configs/tasks/arithmetic_hard.yaml``);
 * ``"embedded:random"`` -- the same architecture with fresh random weights (for tests and benchmarks);
 * a local directory holding a Hugging Face checkpoint (``config.json`` + weights + tokenizer files).
 

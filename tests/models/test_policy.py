@@ -88,14 +88,15 @@ def test_embedded_random_bfloat16():
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
 
 
-def test_embedded_arithmetic_asset_is_small_and_loads():
-    asset = ASSETS / "arithmetic"
-    assert resolve_model_path("embedded:arithmetic") == asset
+@pytest.mark.parametrize("name", ["arithmetic", "arithmetic_hard"])
+def test_embedded_arithmetic_asset_is_small_and_loads(name):
+    asset = ASSETS / name
+    assert resolve_model_path(f"embedded:{name}") == asset
     assert (asset / "config.json").is_file()
     weights = asset / "model.safetensors"
     assert weights.is_file()
     assert weights.stat().st_size < 5 * 1024 * 1024
-    model, tok = load_policy("embedded:arithmetic")
+    model, tok = load_policy(f"embedded:{name}")
     assert isinstance(model, LlamaForCausalLM)
     assert 1_000_000 <= _num_params(model) <= 1_200_000
     assert model.config.vocab_size == len(tok)
