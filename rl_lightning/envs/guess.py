@@ -35,6 +35,8 @@ class GuessNumberEnv(Environment):
         return f"guess {self.low}-{self.high}:", {"secret": self.secret}
 
     def step(self, action: str) -> StepResult:
+        if self.guesses and (self.guesses[-1] == self.secret or len(self.guesses) >= self.max_guesses):
+            raise RuntimeError("GuessNumberEnv: step() after the episode ended (reset() starts a new one)")
         text = action.strip()
         guess = int(text) if text.isdigit() and self.low <= int(text) <= self.high else None
         self.guesses.append(guess)

@@ -309,3 +309,16 @@ def test_the_warm_start_succeeds_20_to_50_percent_of_the_time_greedy_on_the_held
     record = json.loads((ASSETS / "guess" / "warm_start.json").read_text())
     assert success == pytest.approx(record["heldout_greedy_success"], abs=1e-6)
     assert record["sampled_success"]["success"] > 0.1  # RL needs successes within its groups
+
+
+def test_no_guess_is_taken_after_the_episode_ended():
+    env = GuessNumberEnv(13)
+    env.reset()
+    for guess in "12345":
+        env.step(guess)
+    with pytest.raises(RuntimeError, match="after the episode ended"):
+        env.step("13")
+    env.reset()
+    assert env.step("13")[1:3] == (1.0, True)
+    with pytest.raises(RuntimeError, match="after the episode ended"):
+        env.step("13")
