@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from rl_lightning.envs.base import Prompt, RewardFunction, Task
 from rl_lightning.rollout.batch import PromptBatch, RolloutBatch
 from rl_lightning.rollout.engines import KVCacheEngine, RolloutEngine
+from rl_lightning.rollout.episodes import left_pad
 from rl_lightning.rollout.prompts import PromptSampler, SequentialSampler
 from rl_lightning.rollout.strategies import GroupRollout, RolloutStrategy
 
@@ -213,17 +214,7 @@ class RolloutDataModule(LightningDataModule):
                 if self.add_bos and tok.bos_token_id is not None:
                     ids = [tok.bos_token_id, *ids]
             rows.append(ids)
-        width = max(len(r) for r in rows)
-        pad = tok.pad_token_id
-        input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
-        attention = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, ids in enumerate(rows):  # left padding
-            input_ids[i, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
-            attention[i, width - len(ids):] = 1
-        return input_ids.to(device), attention.to(device)
-
-    def _encode(self, prompts: list[Prompt], device: torch.device) -> tuple[Tensor, Tensor]:
-        return self.encode_first(prompts, None, device)
+        return left_pad(rows, tok.pad_token_id, device)
 
     def encode_observation(self, episodes: Any, row: int, observation: str, closed: bool = True) -> list[int]:
         """The ids of an observation, appended right after the model's turn.

@@ -78,7 +78,8 @@ class _Decoder:
             self.mask[keep], self.logits[keep], self.next_pos[keep], self.rows[keep])
 
 
-def _left_pad(rows: list[list[int]], pad: int, device: torch.device) -> tuple[Tensor, Tensor]:
+def left_pad(rows: list[list[int]], pad: int, device: torch.device | str) -> tuple[Tensor, Tensor]:
+    """``(ids, mask)`` ``[n, max len]`` of token-id rows, left-padded with ``pad`` (mask 1 on real ids)."""
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -111,13 +112,13 @@ def sample_episodes(
     running = list(range(n))
     truncated = [False] * n
     turns = [0] * n
-    ids, mask = _left_pad(prompt_ids, pad_token_id, device)
+    ids, mask = left_pad(prompt_ids, pad_token_id, device)
     decoder = _Decoder(model, ids, mask)
     for turn in range(max_turns):
         if not running:
             break
         if not carry_cache and turn > 0:  # the reference: the whole history through the model again
-            ids, mask = _left_pad([history[r] for r in running], pad_token_id, device)
+            ids, mask = left_pad([history[r] for r in running], pad_token_id, device)
             decoder = _Decoder(model, ids, mask)
             decoder.rows = torch.tensor(running, device=device)
         slot = {int(r): i for i, r in enumerate(decoder.rows.tolist())}  # episode -> row of the decoder batch

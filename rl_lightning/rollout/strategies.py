@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from rl_lightning.envs.base import Prompt, RewardError
 from rl_lightning.envs.environment import EnvError, Environment, env_step
 from rl_lightning.rollout.batch import PromptBatch, RolloutBatch
-from rl_lightning.rollout.episodes import sample_episodes
+from rl_lightning.rollout.episodes import left_pad, sample_episodes
 
 if TYPE_CHECKING:
     from rl_lightning.rollout.datamodule import RolloutDataModule
@@ -264,12 +264,7 @@ class BranchRollout(GroupRollout):
         first_ids, first_mask = dm.encode_first(prompts, episodes.first, torch.device("cpu"))
         contexts = [row[m.bool()].tolist() + list(b.prefix_ids) for row, m, b in
                     zip(first_ids, first_mask, (b for b in branches for _ in range(self.n)))]
-        width = max(len(c) for c in contexts)
-        prompt_ids = torch.full((len(contexts), width), tok.pad_token_id, dtype=torch.long)
-        prompt_mask = torch.zeros((len(contexts), width), dtype=torch.long)
-        for i, c in enumerate(contexts):
-            prompt_ids[i, width - len(c):], prompt_mask[i, width - len(c):] = torch.tensor(c), 1
-        prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
+        prompt_ids, prompt_mask = left_pad(contexts, tok.pad_token_id, device)
         turn_tokens = self.max_turn_tokens or dm.max_new_tokens
         common = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, temperature=dm.temperature,
                       top_p=dm.top_p, greedy=False, generator=generator)
