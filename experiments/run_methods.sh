@@ -15,7 +15,11 @@
 # written as the section "$SECTION" (default: "Task preset <name>") of docs/results.md, with the plot in
 # docs/results_<preset name>.png; the rest of docs/results.md is kept, and a section of that title is replaced.
 # The 3-digit table of docs/results.md is the section SECTION="Harder single-turn setting: 3-digit addition"
-# (its notes: report.py --notes experiments/results_notes_arithmetic_hard.md).
+# (its notes: NOTES=experiments/results_notes_arithmetic_hard.md). SECTION (and PLOT, NOTES) also work without a
+# task preset: the table becomes that section of docs/results.md instead of the whole file.
+# A method's tuned settings for a task, configs/tasks/<preset>_<method>.yaml (e.g. guess_ppo.yaml), are stacked
+# after the preset when they exist. Finished runs (seed and max_steps reached) are skipped: rerunning the script
+# resumes a table, and only the finished runs of the listed methods and seeds are reported.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 methods="${1:-grpo pg reinforce rloo ppo}"
@@ -30,21 +34,47 @@ if [ -n "$task" ]; then
   task_args=(--config "$task")
   command="TASK=$task $command"
 fi
-for method in $methods; do
-  for seed in $seeds; do
-    echo "== $method seed $seed${task:+ ($task)}"
-    $bin/rl-lightning fit --config "configs/$method.yaml" "${task_args[@]}" \
-      --trainer.logger.init_args.name "$method$suffix" --seed_everything "$seed" \
-      --data.init_args.seed "$seed" --model.init_args.seed "$seed" 2>&1 | grep -E "^rl-lightning: val/reward|Error" || true
-  done
-done
+# A run counts as done when its directory's config has the seed and its last.ckpt reached the config's max_steps;
+# done runs are skipped, so the script resumes where it stopped (an interrupted run is started again).
+done_run() {  # done_run NAME SEED -> prints the finished run directory, if any
+  $bin/python - "$1" "$2" <<'PY'
+import glob, sys, torch, yaml
+name, seed = sys.argv[1], int(sys.argv[2])
+for run in sorted(glob.glob(f"runs/{name}/version_*")):
+    try:
+        config = yaml.safe_load(open(f"{run}/config.yaml"))
+        step = torch.load(f"{run}/checkpoints/last.ckpt", map_location="cpu", weights_only=False)["global_step"]
+    except (OSError, KeyError, TypeError, yaml.YAMLError):
+        continue
+    if config.get("seed_everything") == seed and step == config["trainer"]["max_steps"]:
+        print(run)
+        break
+PY
+}
 runs=()
 for method in $methods; do
-  for dir in runs/"$method$suffix"/version_*; do [ -d "$dir" ] && runs+=("$dir"); done
+  for seed in $seeds; do
+    dir="$(done_run "$method$suffix" "$seed")"
+    if [ -n "$dir" ]; then
+      echo "== $method seed $seed${task:+ ($task)}: done ($dir)"
+    else
+      echo "== $method seed $seed${task:+ ($task)}"
+      extra=()
+      tuned="configs/tasks/$(basename "${task:-none}" .yaml)_$method.yaml"
+      if [ -n "$task" ] && [ -f "$tuned" ]; then extra=(--config "$tuned"); fi
+      $bin/rl-lightning fit --config "configs/$method.yaml" "${task_args[@]}" "${extra[@]}" \
+        --trainer.logger.init_args.name "$method$suffix" --seed_everything "$seed" \
+        --data.init_args.seed "$seed" --model.init_args.seed "$seed" 2>&1 | grep -E "^rl-lightning: val/reward|Error" || true
+      dir="$(done_run "$method$suffix" "$seed")"
+    fi
+    if [ -n "$dir" ]; then runs+=("$dir"); fi
+  done
 done
-if [ -z "$task" ]; then
+if [ -z "$task" ] && [ -z "${SECTION:-}" ]; then
   $bin/python experiments/report.py "${runs[@]}" --out docs/results.md --plot docs/results.png --command "$command"
 else
-  $bin/python experiments/report.py "${runs[@]}" --out docs/results.md --plot "docs/results$suffix.png" \
-    --section "${SECTION:-Task preset ${suffix#_}}" --command "$command"
+  plot="docs/results${suffix}.png"
+  [ -n "${PLOT:-}" ] && plot="$PLOT"
+  $bin/python experiments/report.py "${runs[@]}" --out docs/results.md --plot "$plot" \
+    --section "${SECTION:-Task preset ${suffix#_}}" --command "$command" ${NOTES:+--notes "$NOTES"}
 fi

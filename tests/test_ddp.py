@@ -196,3 +196,22 @@ def test_ddp_token_metrics_are_means_over_all_ranks_tokens(grpo_ddp_run):
     assert ranks[0]["logged_entropy"] == ranks[1]["logged_entropy"]
     assert ranks[0]["logged_entropy"] == pytest.approx(global_mean, rel=1e-5)
     assert abs(global_mean - mean_of_means) > 1e-4 * global_mean  # the two readings really differ here
+
+
+def test_spo_tracker_is_the_same_on_every_rank_and_holds_every_ranks_prompts(tmp_path_factory):
+    """Each rank gathers all ranks' outcomes and applies them in rank order: one tracker, everywhere."""
+    _, out = _ddp("spo", tmp_path_factory)
+    r0 = json.loads((out / "rank0.json").read_text())
+    r1 = json.loads((out / "rank1.json").read_text())
+    assert r0["tracker"] == r1["tracker"] and r0["params"] == r1["params"]
+    seen = [uid for record in (r0, r1) for step in record["prompt_ids"] for uid in step]
+    assert len(seen) == 3 * 4  # 3 steps x 4 prompts over the two ranks
+    assert {uid for uid, _, _ in r0["tracker"]} == set(seen)
+    assert len(set(seen)) < len(seen)  # prompts came back (a pool of 6), possibly on the other rank
+    for uid, alpha, beta in r0["tracker"]:
+        visits = seen.count(uid)
+        # N = alpha + beta starts at 1 and becomes rho N + 1 per visit with rho in [0.875, 0.96]
+        low, high = 1.0, 1.0
+        for _ in range(visits):
+            low, high = 0.875 * low + 1, 0.96 * high + 1
+        assert low - 1e-9 <= alpha + beta <= high + 1e-9, (uid, visits, alpha + beta)

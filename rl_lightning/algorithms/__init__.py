@@ -6,7 +6,8 @@ from rl_lightning.algorithms.pg import PolicyGradient
 from rl_lightning.algorithms.ppo import PPO
 from rl_lightning.algorithms.reinforce import REINFORCE
 from rl_lightning.algorithms.rloo import RLOO
+from rl_lightning.algorithms.spo import SPO
 from rl_lightning.algorithms.trpo import TRPO
 
-__all__ = ["GRPO", "PPO", "REINFORCE", "RLOO", "TRPO", "HeldoutObserver", "LossTerm", "NonFiniteLossError",
+__all__ = ["GRPO", "PPO", "REINFORCE", "RLOO", "SPO", "TRPO", "HeldoutObserver", "LossTerm", "NonFiniteLossError",
            "PolicyGradient", "PolicyOutput", "RLModule"]

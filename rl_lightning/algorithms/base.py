@@ -317,6 +317,19 @@ class RLModule(LightningModule):
                                       num_tokens=float(counts[1]))
         return weights * world
 
+    def all_gather_objects(self, obj: Any) -> list[Any]:
+        """``[obj of rank 0, obj of rank 1, ...]``: one picklable object from every rank (``[obj]`` in one process).
+
+        For per-prompt state a method keeps identical on every rank (SPO's tracker): each rank gathers every
+        rank's updates and applies them in rank order, so the state is the same everywhere and in checkpoints.
+        Every rank must call it at the same point (it is a collective).
+        """
+        if self._trainer is None or self.trainer.world_size == 1 or not torch.distributed.is_initialized():
+            return [obj]
+        gathered: list[Any] = [None] * self.trainer.world_size
+        torch.distributed.all_gather_object(gathered, obj)
+        return gathered
+
     def _loss_terms(self) -> list[LossTerm]:
         return [cb for cb in self.trainer.callbacks if isinstance(cb, LossTerm)] if self._trainer else []
 

@@ -30,6 +30,13 @@ from rl_lightning.functional.losses import (
     ValueLossStats,
 )
 from rl_lightning.functional.masked import masked_mean, masked_sum, masked_whiten
+from rl_lightning.functional.tracker import (
+    beta_tracker_update,
+    normalized_advantages,
+    spo_discount,
+    tracker_sampling_weights,
+    tracker_value,
+)
 from rl_lightning.functional.trpo import (
     categorical_kl,
     conjugate_gradient,
@@ -47,6 +54,7 @@ __all__ = [
     "aggregate",
     "aggregation_weights",
     "baseline_advantages",
+    "beta_tracker_update",
     "batch_centered_advantages",
     "categorical_kl",
     "clipped_policy_loss",
@@ -64,12 +72,16 @@ __all__ = [
     "masked_mean",
     "masked_sum",
     "masked_whiten",
+    "normalized_advantages",
     "outcome_gae",
     "outcome_token_rewards",
     "policy_gradient_loss",
     "sampling_log_softmax",
     "sampling_logits",
     "sampling_logprobs",
+    "spo_discount",
     "top_p_mask",
+    "tracker_sampling_weights",
+    "tracker_value",
     "trust_region_scale",
 ]

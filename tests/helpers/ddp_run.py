@@ -1,6 +1,6 @@
 """Run a method for two steps under 2-process CPU DDP (gloo) and dump what each rank saw and ended with.
 
-Usage: python tests/helpers/ddp_run.py OUT_DIR [grpo|ppo-separate]   (plain ``ddp`` relaunches this script)
+Usage: python tests/helpers/ddp_run.py OUT_DIR [grpo|ppo-separate|spo]   (plain ``ddp`` relaunches this script)
 
 Per rank it writes ``rank{r}.json`` (prompts drawn, logged losses, final weights) and, for every step ``s``,
 ``step{s}_rank{r}.pt``: the rollout batch's tensors, the policy's weights before the update (rank 0 only)
@@ -21,8 +21,9 @@ from lightning.pytorch import Callback, Trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from rl_lightning.algorithms import GRPO, PPO  # noqa: E402
+from rl_lightning.algorithms import GRPO, PPO, SPO  # noqa: E402
 from rl_lightning.envs.base import Prompt, RewardFunction  # noqa: E402
+from rl_lightning.rollout import WeightedSampler  # noqa: E402
 from rl_lightning.rollout.batch import RolloutBatch  # noqa: E402
 from tests.conftest import tiny_datamodule  # noqa: E402
 
@@ -53,6 +54,7 @@ class Dump(Callback):
         self.out = out
         self.aggregation = aggregation
         self.prompt_index: list[list[int]] = []
+        self.prompt_ids: list[list[int]] = []
         self.loss: list[float] = []
         self.step: dict[str, Any] = {}
 
@@ -73,6 +75,8 @@ class Dump(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
         self.prompt_index.append(sorted(set(batch.prompt_index.tolist())))
+        if batch.prompt_id is not None:
+            self.prompt_ids.append(batch.prompt_id.tolist())
         self.loss.append(float(trainer.callback_metrics["train/loss"]))
         self.step["logged_loss"] = self.loss[-1]  # averaged over ranks by log_training_metrics
         self.step["logged_entropy"] = float(trainer.callback_metrics["train/entropy"])
@@ -88,7 +92,10 @@ class Dump(Callback):
             "param_sum": float(flat.double().sum()),
             "param_abs_sum": float(flat.double().abs().sum()),
             "params": flat.tolist()[:2000],
+            "prompt_ids": self.prompt_ids,
         }
+        if hasattr(pl_module, "tracker"):  # SPO: the per-prompt tracker, to compare across ranks
+            record["tracker"] = sorted([uid, a, b] for uid, (a, b) in pl_module.tracker.items())
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
@@ -102,12 +109,16 @@ def main() -> None:
         module = GRPO(model_name_or_path="embedded:arithmetic", optimizer=optimizer, max_grad_norm=None)
         dump = Dump(out, GRPO_AGGREGATION)
         data = tiny_datamodule(prompts_per_step=4, reward_fn=GradedMatch())
+    elif method == "spo":  # a pool of 6 prompts, 4 per step: the ranks revisit each other's prompts
+        module = SPO(model_name_or_path="embedded:arithmetic", optimizer=optimizer)
+        dump = Dump(out)
+        data = tiny_datamodule(prompts_per_step=4, group_size=1, prompt_sampler=WeightedSampler(pool_size=6))
     else:  # every parameter of a separate critic must receive a gradient, or plain DDP refuses the step
         module = PPO(model_name_or_path="embedded:arithmetic", critic="separate", optimizer=optimizer)
         dump = Dump(out)
         data = tiny_datamodule(prompts_per_step=4)
     trainer = Trainer(
-        accelerator="cpu", devices=2, strategy="ddp", max_steps=2, logger=False, enable_checkpointing=False,
+        accelerator="cpu", devices=2, strategy="ddp", max_steps=3 if method == "spo" else 2, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
         default_root_dir=str(out), callbacks=[dump],
     )
