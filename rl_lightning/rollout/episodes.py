@@ -11,6 +11,10 @@ response would exceed ``max_episode_tokens`` (both limits mark it ``truncated``)
 string (``stop``: a callable on the turn's ids so far), or after ``max_turn_tokens`` (an unfinished turn still
 goes to the environment, which decides what it means).
 
+On request (``topk``, ``aux_draws``) every sampled position also records the sampling distribution's top-k ids
+with their full-vocabulary log-probs and independent auxiliary draws (``generation.sampler_extras``), laid out
+like the sampled ids (0 on observation and padding positions).
+
 ``carry_cache=False`` re-runs the whole history through the model at every turn instead of appending to the
 cache (a reference, and the baseline of ``experiments/bench_episodes.py``); the draws are the same.
 """
@@ -24,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from rl_lightning.functional.logprobs import sampling_logits
-from rl_lightning.rollout.generation import _cache_argument, _returned_cache, position_ids_from_mask
+from rl_lightning.rollout.generation import _cache_argument, _returned_cache, position_ids_from_mask, sampler_extras
 
 #: ``observe(rows, actions)`` -> for each row, the observation ids to append, or ``None`` if its episode ended
 Observe = Callable[[list[int], list[list[int]]], list[list[int] | None]]
@@ -42,6 +46,9 @@ class EpisodeGeneration:
     truncated: Tensor  # [N] bool: the episode hit a limit (turns, tokens, or the last turn had no EOS)
     num_turns: Tensor  # [N] long
     segments: list[list[tuple[str, list[int]]]] = field(default_factory=list)  # per row: ("model"/"obs", ids)
+    topk_ids: Tensor | None = None  # [N, T, k] on request, at sampled positions (0 elsewhere)
+    topk_logprobs: Tensor | None = None  # [N, T, k]
+    aux_ids: Tensor | None = None  # [N, T, K]
 
 
 class _Decoder:
@@ -94,7 +101,8 @@ def sample_episodes(
     model: nn.Module, prompt_ids: list[list[int]], observe: Observe, *, eos_token_id: int, pad_token_id: int,
     max_turns: int, max_turn_tokens: int, max_episode_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
     greedy: bool = False, generator: torch.Generator | None = None,
-    stop: Callable[[int, list[int]], bool] | None = None, carry_cache: bool = True,
+    stop: Callable[[int, list[int]], bool] | None = None, carry_cache: bool = True, topk: int = 0,
+    aux_draws: int = 0, aux_generator: torch.Generator | None = None,
 ) -> EpisodeGeneration:
     """Run ``len(prompt_ids)`` episodes turn by turn (see the module docstring).
 
@@ -107,6 +115,7 @@ def sample_episodes(
     n = len(prompt_ids)
     segments: list[list[tuple[str, list[int]]]] = [[] for _ in range(n)]
     turn_logps: list[list[float]] = [[] for _ in range(n)]  # per row: log-probs of its sampled ids, in order
+    turn_extras: list[list[tuple[Tensor | None, ...]]] = [[] for _ in range(n)]  # per sampled id, on request
     history = [list(p) for p in prompt_ids]  # everything fed so far (for carry_cache=False)
     length = [0] * n  # response tokens so far (sampled + observed)
     running = list(range(n))
@@ -136,11 +145,14 @@ def sample_episodes(
                 token = torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=generator).squeeze(-1)
             logp = logp_all.gather(-1, token.unsqueeze(-1)).squeeze(-1)
             token = torch.where(active, token, torch.full_like(token, pad_token_id))
+            extra = sampler_extras(logp_all, topk, aux_draws, aux_generator) if topk or aux_draws else None
             for i in active.nonzero().flatten().tolist():
                 r = int(decoder.rows[i])
                 tok = int(token[i])
                 sampled[r].append(tok)
                 turn_logps[r].append(float(logp[i]))
+                if extra is not None:
+                    turn_extras[r].append(tuple(None if x is None else x[i] for x in extra))
                 done = tok == eos_token_id or (stop is not None and stop(r, sampled[r]))
                 if done:
                     ended.add(r)
@@ -171,7 +183,10 @@ def sample_episodes(
         if still and carry_cache:
             _append_turn_ends(decoder, still, sampled, segments, pad_token_id, device)
         running = still
-    return _assemble(segments, turn_logps, truncated, turns, pad_token_id, device)
+    gen = _assemble(segments, turn_logps, truncated, turns, pad_token_id, device)
+    if topk or aux_draws:
+        gen.topk_ids, gen.topk_logprobs, gen.aux_ids = _assemble_extras(turn_extras, gen.mask)
+    return gen
 
 
 def _append_turn_ends(decoder: _Decoder, rows: list[int], sampled: dict[int, list[int]],
@@ -224,3 +239,21 @@ def _assemble(segments: list[list[tuple[str, list[int]]]], logps: list[list[floa
         truncated=torch.tensor(truncated, device=device), num_turns=torch.tensor(turns, device=device),
         segments=segments,
     )
+
+
+def _assemble_extras(extras: list[list[tuple[Tensor | None, ...]]], mask: Tensor) -> list[Tensor | None]:
+    """Lay the per-sampled-id extras (top-k ids, their log-probs, aux draws) out as ``[N, T, k]`` tensors at the
+    sampled positions of ``mask`` (the i-th sampled id of a row is its i-th masked position), 0 elsewhere."""
+    out: list[Tensor | None] = []
+    columns = next((row[0] for row in extras if row), None)
+    for c in range(3):
+        if columns is None or columns[c] is None:
+            out.append(None)
+            continue
+        like = columns[c]
+        full = torch.zeros((*mask.shape, like.shape[-1]), dtype=like.dtype, device=mask.device)
+        for i, row in enumerate(extras):
+            if row:
+                full[i, mask[i].bool()] = torch.stack([entry[c] for entry in row]).to(mask.device)
+        out.append(full)
+    return out

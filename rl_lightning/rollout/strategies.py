@@ -119,9 +119,6 @@ class GroupRollout(RolloutStrategy):
         common = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, temperature=dm.temperature,
                       top_p=dm.top_p, greedy=not train, generator=generator)
         extras = dm.sampler_extras(generator)
-        if extras and self.max_turns > 1:
-            raise ValueError("GroupRollout: extra sampler outputs (record_topk, record_aux_draws) are recorded for "
-                             "single-turn rollouts only (max_turns=1)")
         if self.max_turns == 1:
             gen = dm.engine.generate(model, prompt_ids, prompt_mask, turn_tokens, **common, **extras)
             t1 = time.perf_counter()
@@ -139,11 +136,13 @@ class GroupRollout(RolloutStrategy):
                     err.rollout_batch = make(episodes.returns(), time.perf_counter() - t1)  # type: ignore[attr-defined]
                 raise
             return make(episodes.returns(), time.perf_counter() - t1, episodes)
-        gen = self._episodes(dm, model, prompt_ids, prompt_mask, episodes, turn_tokens, common)
+        gen = self._episodes(dm, model, prompt_ids, prompt_mask, episodes, turn_tokens, {**common, **extras})
         t1 = time.perf_counter()
         responses = [tok.decode(ids, skip_special_tokens=False) for ids in self._response_lists(gen)]
         make = self._maker(dm, prompt_ids, prompt_mask, gen, group, indices, prompts, responses, t1 - t0, {
             "obs_mask": gen.obs_mask, "turn_index": gen.turn_index, "num_turns": gen.num_turns,
+            **{name: getattr(gen, name) for name in ("topk_ids", "topk_logprobs", "aux_ids")
+               if getattr(gen, name) is not None},
         })
         batch_out = make(episodes.returns(), 0.0, episodes)
         batch_out.truncated = gen.truncated | torch.tensor(episodes.env_truncated, device=gen.truncated.device)

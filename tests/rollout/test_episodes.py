@@ -273,3 +273,26 @@ def test_ppo_advantages_skip_observation_tokens(module):
     assert (advantages[batch.obs_mask.bool()] == 0).all()
     assert (advantages[batch.loss_mask.bool()] != 0).any()
     assert (batch.values[batch.obs_mask.bool()] == 0).all()  # the critic's values are masked there too
+
+
+def test_extra_sampler_outputs_on_episodes_sit_at_the_sampled_positions(module):
+    """record_topk / record_aux_draws on multi-turn episodes: the sampled ids do not change, the top-k log-probs
+    are the learner's full-vocabulary log-probs at every sampled position (whatever turn), 0 on observations."""
+    strategy = GroupRollout(max_turns=3, max_episode_tokens=30)
+    plain = rollout(module, strategy)
+    rich = rollout(module, strategy, record_topk=4, record_aux_draws=3)
+    assert torch.equal(plain.input_ids, rich.input_ids) and torch.equal(plain.sampler_logprobs, rich.sampler_logprobs)
+    n, t = rich.loss_mask.shape
+    assert rich.topk_ids.shape == (n, t, 4) and rich.aux_ids.shape == (n, t, 3)
+    assert (rich.num_turns > 1).any() and rich.obs_mask.any()
+    with torch.no_grad():
+        logits = module.policy(input_ids=rich.input_ids, attention_mask=rich.attention_mask,
+                               position_ids=(rich.attention_mask.cumsum(-1) - 1).clamp(min=0)).logits
+    full = torch.log_softmax(logits[:, rich.prompt_length - 1:-1], dim=-1)  # position P-1+t predicts token t
+    m = rich.loss_mask.bool()
+    torch.testing.assert_close(full.gather(-1, rich.topk_ids)[m], rich.topk_logprobs[m], atol=1e-4, rtol=1e-4)
+    top1 = full.max(dim=-1).values[m]
+    torch.testing.assert_close(rich.topk_logprobs[m][:, 0], top1, atol=1e-4, rtol=1e-4)
+    assert (rich.topk_ids[~m] == 0).all() and (rich.topk_logprobs[~m] == 0).all() and (rich.aux_ids[~m] == 0).all()
+    picked = rich.select(torch.tensor([1, 4]))  # the extras follow the rows into minibatches
+    assert torch.equal(picked.topk_ids, rich.topk_ids[[1, 4]]) and torch.equal(picked.aux_ids, rich.aux_ids[[1, 4]])
