@@ -139,11 +139,8 @@ class GroupRollout(RolloutStrategy):
         gen = self._episodes(dm, model, prompt_ids, prompt_mask, episodes, turn_tokens, {**common, **extras})
         t1 = time.perf_counter()
         responses = [tok.decode(ids, skip_special_tokens=False) for ids in self._response_lists(gen)]
-        make = self._maker(dm, prompt_ids, prompt_mask, gen, group, indices, prompts, responses, t1 - t0, {
-            "obs_mask": gen.obs_mask, "turn_index": gen.turn_index, "num_turns": gen.num_turns,
-            **{name: getattr(gen, name) for name in ("topk_ids", "topk_logprobs", "aux_ids")
-               if getattr(gen, name) is not None},
-        })
+        make = self._maker(dm, prompt_ids, prompt_mask, gen, group, indices, prompts, responses, t1 - t0,
+                           self._episode_fields(gen))
         batch_out = make(episodes.returns(), 0.0, episodes)
         batch_out.truncated = gen.truncated | torch.tensor(episodes.env_truncated, device=gen.truncated.device)
         return batch_out
@@ -175,6 +172,14 @@ class GroupRollout(RolloutStrategy):
         return stop
 
     @staticmethod
+    def _episode_fields(gen: Any) -> dict[str, Any]:
+        """The ``RolloutBatch`` fields of an ``EpisodeGeneration`` beyond those of a single-turn generation."""
+        fields = {"obs_mask": gen.obs_mask, "turn_index": gen.turn_index, "num_turns": gen.num_turns}
+        fields.update({name: getattr(gen, name) for name in ("topk_ids", "topk_logprobs", "aux_ids")
+                       if getattr(gen, name) is not None})
+        return fields
+
+    @staticmethod
     def _response_lists(gen: Any) -> list[list[int]]:
         real = (gen.mask | gen.obs_mask).bool()
         return [row[m].tolist() for row, m in zip(gen.response_ids.cpu(), real.cpu())]
@@ -204,12 +209,19 @@ class GroupRollout(RolloutStrategy):
 @dataclass
 class Branch:
     """A point to continue from: a prompt, the response ids after its first observation, the environment's
-    state there, and the ids of the turn it is in the middle of (part of that turn's action)."""
+    state there, and the ids of the turn it is in the middle of (part of that turn's action).
+
+    ``turns`` are the texts ``(action, observation)`` of the turns the prefix completed; with a chat template
+    (``use_chat_template``) the continuation's observations are rendered after that whole conversation, so a
+    branched trajectory is the template's rendering of it, as an unbranched episode is. Without a template they
+    are only history (the environment's state is ``env_state``).
+    """
 
     prompt: Prompt
     prefix_ids: list[int] = field(default_factory=list)
     env_state: Any = None  # ``Environment.snapshot()`` at the end of the prefix; None: the state after reset
     pending_ids: list[int] = field(default_factory=list)  # the unfinished turn's ids (a suffix of prefix_ids)
+    turns: list[tuple[str, str]] = field(default_factory=list)  # (action, observation) texts of the prefix
 
 
 class BranchRollout(GroupRollout):
@@ -260,19 +272,20 @@ class BranchRollout(GroupRollout):
             if branch.env_state is not None:
                 episodes.envs[row].restore(branch.env_state)
             episodes.pending[row] = list(branch.pending_ids)
+            episodes.actions[row] = [action for action, _ in branch.turns]
+            episodes.observations[row] = [observation for _, observation in branch.turns]
         first_ids, first_mask = dm.encode_first(prompts, episodes.first, torch.device("cpu"))
         contexts = [row[m.bool()].tolist() + list(b.prefix_ids) for row, m, b in
                     zip(first_ids, first_mask, (b for b in branches for _ in range(self.n)))]
         prompt_ids, prompt_mask = left_pad(contexts, tok.pad_token_id, device)
         turn_tokens = self.max_turn_tokens or dm.max_new_tokens
         common = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, temperature=dm.temperature,
-                      top_p=dm.top_p, greedy=False, generator=generator)
+                      top_p=dm.top_p, greedy=False, generator=generator, **dm.sampler_extras(generator))
         gen = self._episodes(dm, model, prompt_ids, prompt_mask, episodes, turn_tokens, common)
         responses = [tok.decode(ids, skip_special_tokens=False) for ids in self._response_lists(gen)]
         indices = [batch.step * len(branches) + k // self.n for k in range(len(prompts))]
         make = self._maker(dm, prompt_ids, prompt_mask, gen, self.n, indices, prompts, responses,
-                           time.perf_counter() - t0, {"obs_mask": gen.obs_mask, "turn_index": gen.turn_index,
-                                                      "num_turns": gen.num_turns})
+                           time.perf_counter() - t0, self._episode_fields(gen))
         out = make(episodes.returns(), 0.0, episodes)
         out.truncated = gen.truncated | torch.tensor(episodes.env_truncated, device=gen.truncated.device)
         return out

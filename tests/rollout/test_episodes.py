@@ -296,3 +296,58 @@ def test_extra_sampler_outputs_on_episodes_sit_at_the_sampled_positions(module):
     assert (rich.topk_ids[~m] == 0).all() and (rich.topk_logprobs[~m] == 0).all() and (rich.aux_ids[~m] == 0).all()
     picked = rich.select(torch.tensor([1, 4]))  # the extras follow the rows into minibatches
     assert torch.equal(picked.topk_ids, rich.topk_ids[[1, 4]]) and torch.equal(picked.aux_ids, rich.aux_ids[[1, 4]])
+
+
+# numbers every message, so an observation's rendering depends on the whole conversation before it
+NUMBERED_TEMPLATE = ("{% for m in messages %}{{ loop.index }}{{ m['role'][0] }}:{{ m['content'] }}"
+                     "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}|{% endfor %}"
+                     "{% if add_generation_prompt %}{{ messages | length + 1 }}a:{% endif %}")
+
+
+def test_a_branch_with_a_chat_template_continues_the_templates_rendering_of_the_conversation():
+    from rl_lightning.rollout import Branch, BranchRollout
+
+    module = GRPO(model_name_or_path="embedded:arithmetic")
+    tok = module.tokenizer
+    tok.chat_template = NUMBERED_TEMPLATE
+    common = dict(task=CountdownTask(), prompts_per_step=1, group_size=2, max_new_tokens=4, use_chat_template=True)
+    dm = RolloutDataModule(**common, strategy=GroupRollout(max_turns=3, max_episode_tokens=80))
+    dm.trainer = fake_trainer(module)
+    recorded = dm.rollout(dm.prompt_batch(0))
+    ids = recorded.response_ids[0]
+    first_turn = ids[recorded.turn_index[0] == 0].tolist()
+    obs = recorded.obs_mask[0].bool()
+    start = len(first_turn)
+    end = start + int(obs[start:].int().argmin())  # the first observation's span
+    prefix = first_turn + ids[start:end].tolist()
+    action = tok.decode(first_turn, skip_special_tokens=True)
+    env = CountdownEnv(3)
+    env.reset()
+    env.step(action)
+
+    def branched(turns: list[tuple[str, str]]) -> RolloutBatch:
+        strategy = BranchRollout(n=2, max_turns=2, max_episode_tokens=80)
+        bdm = RolloutDataModule(**common, strategy=strategy)
+        bdm.trainer = fake_trainer(module)
+        strategy.set_branches([Branch(Prompt("go:", metadata={"uid": 0}), prefix, env.snapshot(), turns=turns)])
+        return bdm.rollout(bdm.prompt_batch(0))
+
+    batch = branched([(action, "n1:")])
+    assert (batch.num_turns == 2).all()
+    for row in range(batch.num_rows):
+        context = batch.input_ids[row, : batch.prompt_length][batch.attention_mask[row, : batch.prompt_length].bool()]
+        response = batch.response_ids[row][(batch.loss_mask[row] | batch.obs_mask[row]).bool()]
+        trajectory = context.tolist() + response.tolist()
+        messages = [{"role": "user", "content": "go:"}, {"role": "assistant", "content": action},
+                    {"role": "user", "content": "n1:"}]
+        for turn in range(2):
+            turn_ids = batch.response_ids[row][batch.turn_index[row] == turn].tolist()
+            messages.append({"role": "assistant", "content": tok.decode(turn_ids, skip_special_tokens=True)})
+            if turn == 0:
+                messages.append({"role": "user", "content": "n2:"})
+        rendered = tok(tok.apply_chat_template(messages, tokenize=False), add_special_tokens=False)["input_ids"]
+        assert rendered[: len(trajectory)] == trajectory
+        assert "5u:n2:|6a:" in tok.decode(batch.response_ids[row][batch.obs_mask[row].bool()])
+    # without the prefix's turns the template numbers the next observation as if the conversation began there
+    forgetful = branched([])
+    assert "3u:n2:|4a:" in tok.decode(forgetful.response_ids[0][forgetful.obs_mask[0].bool()])
