@@ -70,11 +70,13 @@ for method in $methods; do
     if [ -n "$dir" ]; then runs+=("$dir"); fi
   done
 done
+# HELDOUT says what val/reward is measured on, in the header (default "500 fixed held-out prompts").
 if [ -z "$task" ] && [ -z "${SECTION:-}" ]; then
   $bin/python experiments/report.py "${runs[@]}" --out docs/results.md --plot docs/results.png --command "$command"
 else
   plot="docs/results${suffix}.png"
   [ -n "${PLOT:-}" ] && plot="$PLOT"
   $bin/python experiments/report.py "${runs[@]}" --out docs/results.md --plot "$plot" \
-    --section "${SECTION:-Task preset ${suffix#_}}" --command "$command" ${NOTES:+--notes "$NOTES"}
+    --section "${SECTION:-Task preset ${suffix#_}}" --command "$command" ${NOTES:+--notes "$NOTES"} \
+    ${HELDOUT:+--heldout "$HELDOUT"}
 fi
