@@ -14,6 +14,7 @@ from rl_lightning.functional.advantages import (
     outcome_gae,
     outcome_token_rewards,
 )
+from rl_lightning.functional.gates import bernoulli_kl, trajectory_gate
 from rl_lightning.functional.kl import KLKind, kl_estimate
 from rl_lightning.functional.logprobs import sampling_log_softmax, sampling_logits, sampling_logprobs, top_p_mask
 from rl_lightning.functional.losses import (
@@ -55,6 +56,7 @@ __all__ = [
     "aggregation_weights",
     "baseline_advantages",
     "beta_tracker_update",
+    "bernoulli_kl",
     "batch_centered_advantages",
     "categorical_kl",
     "clipped_policy_loss",
@@ -81,6 +83,7 @@ __all__ = [
     "sampling_logprobs",
     "spo_discount",
     "top_p_mask",
+    "trajectory_gate",
     "tracker_sampling_weights",
     "tracker_value",
     "trust_region_scale",

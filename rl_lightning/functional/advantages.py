@@ -68,18 +68,21 @@ def leave_one_out_advantages(rewards: Tensor, group_size: int) -> Tensor:
     return (grouped - baseline).reshape(-1)
 
 
-def batch_centered_advantages(rewards: Tensor) -> Tensor:
+def batch_centered_advantages(rewards: Tensor, mean: Tensor | float | None = None) -> Tensor:
     """FlashREINFORCE batch-centred advantages (spec 000, FlashREINFORCE): ``A_i = R_i - 1/B Σ_j R_j``.
 
-    A batch of one response gets ``A = 0``.
+    A batch of one response gets ``A = 0``. ``mean`` replaces ``1/B Σ_j R_j`` when the batch is spread over
+    several processes: pass the mean over every rank's rewards (the default is the mean of ``rewards``).
 
     Example:
         >>> batch_centered_advantages(torch.tensor([1.0, 0.0, 0.5]))
         tensor([ 0.5000, -0.5000,  0.0000])
+        >>> batch_centered_advantages(torch.tensor([1.0, 0.0]), mean=0.25)   # the other rank saw [0, 0]
+        tensor([ 0.7500, -0.2500])
     """
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D [N], got shape {tuple(rewards.shape)}")
-    return rewards - rewards.mean()
+    return rewards - (rewards.mean() if mean is None else mean)
 
 
 def gae(

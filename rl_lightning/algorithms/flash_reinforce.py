@@ -1,0 +1,106 @@
+"""FlashREINFORCE (spec 000, "Learning without value networks", FlashREINFORCE): no critic, no groups.
+
+``L = 1/B Σ_i m_i 1/T_i Σ_t ℓ_{i,t}`` with ``ℓ_{i,t} = -sg(w_{i,t}) A_i log π_θ(a_{i,t} | s_{i,t})``:
+
+* ``A_i = R_i - 1/B Σ_j R_j``, the mean over the whole rollout batch (every rank's rows);
+* ``w = exp(clamp(log π_θ - log μ, -30, 30))``, the importance ratio of the learner to the sampler μ that drew
+  the tokens, detached and unclipped (the guard on the log-ratio is the reference code's);
+* ``m_i = 1[1/T_i Σ_t d_{i,t} <= δ]`` with ``d`` the per-token Bernoulli KL between μ and π_θ
+  (``functional.bernoulli_kl``, ``functional.trajectory_gate``), measured on the learner's log-probs at
+  update time. ``B`` and ``T_i`` are the original counts: a filtered trajectory still counts in ``B``.
+
+One update per fresh batch: ``num_iterations`` and ``num_minibatches`` must be 1.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+from typing_extensions import override
+
+from rl_lightning.algorithms.base import PolicyOutput
+from rl_lightning.algorithms.pg import PolicyGradient
+from rl_lightning.functional import (
+    AggregationMode,
+    batch_centered_advantages,
+    bernoulli_kl,
+    masked_mean,
+    policy_gradient_loss,
+    trajectory_gate,
+)
+from rl_lightning.rollout.batch import RolloutBatch
+
+#: bound on ``log π_θ - log μ`` before the importance ratio is exponentiated
+LOG_RATIO_BOUND = 30.0
+
+
+class FlashREINFORCE(PolicyGradient):
+    """Batch-centred REINFORCE with a detached importance ratio and a per-trajectory trust gate.
+
+    The intended setting is one response per prompt (``data.group_size: 1``) over many independent prompts;
+    a larger ``group_size`` is accepted and the baseline stays the mean over the whole batch (not per group).
+    The gate only filters anything when the sampler differs from the learner (a lagged sampler,
+    ``data.sampler_sync_interval > 1``, or numerical mismatch of an inference engine): on-policy ``d = 0``.
+
+    Logged besides the base metrics: ``train/trajectory_keep_fraction`` (rows kept out of every row of the
+    step, on every rank), ``train/bernoulli_kl`` (token mean of ``d``), ``train/ratio_mean`` and
+    ``train/advantage_mean`` (token means over every generated token, kept or not) and ``train/logprob_mean``.
+
+    Args:
+        delta: the gate's threshold δ on the token-mean Bernoulli KL (``inf`` switches the gate off).
+        loss_aggregation: must be ``seq_mean_token_mean``, the spec's equal trajectory weight.
+        **kwargs: ``RLModule`` arguments (model, optimizer, ``micro_batch_size``, ...).
+    """
+
+    token_mean_metrics = PolicyGradient.token_mean_metrics | {"train/bernoulli_kl"}
+    # a row's aggregation weights sum to its share 1/B of the step, so gate x weights summed is a row fraction
+    summed_metrics = PolicyGradient.summed_metrics | {"train/trajectory_keep_fraction"}
+
+    def __init__(self, delta: float = 5e-3, loss_aggregation: AggregationMode = "seq_mean_token_mean",
+                 **kwargs: Any) -> None:
+        super().__init__(loss_aggregation=loss_aggregation, **kwargs)
+        if not delta > 0:
+            raise ValueError(f"FlashREINFORCE: delta must be > 0, got {delta}")
+        if loss_aggregation != "seq_mean_token_mean":
+            raise ValueError(
+                f"FlashREINFORCE: loss_aggregation must be seq_mean_token_mean (the spec's equal trajectory "
+                f"weight, 1/B Σ_i 1/T_i Σ_t), got {loss_aggregation!r}"
+            )
+        if self.num_minibatches != 1:
+            raise ValueError(
+                f"FlashREINFORCE takes one update per fresh batch: num_minibatches must be 1, got "
+                f"{self.num_minibatches}"
+            )
+        self.delta = float(delta)
+
+    @override
+    def compute_advantages(self, batch: RolloutBatch) -> Tensor:
+        rewards = batch.rewards.float()
+        if self._trainer is None or self.trainer.world_size == 1:
+            return batch_centered_advantages(rewards)
+        totals = torch.stack([rewards.sum(), torch.tensor(float(rewards.numel()), device=rewards.device)])
+        totals = self.trainer.strategy.reduce(totals, reduce_op="sum")  # [Σ R, B] over every rank
+        return batch_centered_advantages(rewards, totals[0] / totals[1])
+
+    @override
+    def policy_loss(
+        self, batch: RolloutBatch, out: PolicyOutput, advantages: Tensor, weights: Tensor
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        mask = batch.loss_mask
+        learner = out.logprobs.detach().float()
+        sampler = batch.sampler_logprobs.float()
+        d = bernoulli_kl(sampler, learner)
+        gate = trajectory_gate(d, mask, self.delta)  # [n]
+        log_ratio = ((learner - sampler) * mask).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+        ratio = log_ratio.exp()
+        gated = weights * gate.unsqueeze(-1)
+        loss, stats = policy_gradient_loss(out.logprobs, advantages * ratio, mask, gated)
+        return loss, {
+            "train/trajectory_keep_fraction": (gate * weights.sum(dim=1)).sum(),
+            "train/bernoulli_kl": masked_mean(d, mask),
+            "train/ratio_mean": masked_mean(ratio, mask),
+            "train/advantage_mean": masked_mean(advantages.expand_as(ratio), mask),
+            "train/logprob_mean": stats.logprob_mean,
+        }
