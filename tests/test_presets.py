@@ -108,7 +108,7 @@ def test_fsdp_preset_builds_a_strategy_that_wraps_the_decoder_layers():
 
 
 # ---------------------------------------------------------------- task presets (configs/tasks/*.yaml)
-METHODS = ["pg", "reinforce", "rloo", "grpo", "ppo", "trpo", "flash_reinforce", "spo"]
+METHODS = ["pg", "reinforce", "rloo", "grpo", "ppo", "trpo", "flash_reinforce", "spo", "cope"]
 TASKS = REPO / "configs" / "tasks"
 HARD = TASKS / "arithmetic_hard.yaml"
 

@@ -1,6 +1,7 @@
 """One LightningModule per method; ``RLModule`` is the shared base."""
 
 from rl_lightning.algorithms.base import HeldoutObserver, LossTerm, NonFiniteLossError, PolicyOutput, RLModule
+from rl_lightning.algorithms.cope import CoPE
 from rl_lightning.algorithms.flash_reinforce import FlashREINFORCE
 from rl_lightning.algorithms.grpo import GRPO
 from rl_lightning.algorithms.pg import PolicyGradient
@@ -10,5 +11,5 @@ from rl_lightning.algorithms.rloo import RLOO
 from rl_lightning.algorithms.spo import SPO
 from rl_lightning.algorithms.trpo import TRPO
 
-__all__ = ["FlashREINFORCE", "GRPO", "PPO", "REINFORCE", "RLOO", "SPO", "TRPO", "HeldoutObserver", "LossTerm", "NonFiniteLossError",
-           "PolicyGradient", "PolicyOutput", "RLModule"]
+__all__ = ["CoPE", "FlashREINFORCE", "GRPO", "PPO", "REINFORCE", "RLOO", "SPO", "TRPO", "HeldoutObserver", "LossTerm",
+           "NonFiniteLossError", "PolicyGradient", "PolicyOutput", "RLModule"]

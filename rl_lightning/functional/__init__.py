@@ -14,6 +14,7 @@ from rl_lightning.functional.advantages import (
     outcome_gae,
     outcome_token_rewards,
 )
+from rl_lightning.functional.forecasting import forecast_loss, forecast_pairs, forecast_weights
 from rl_lightning.functional.gates import bernoulli_kl, trajectory_gate
 from rl_lightning.functional.kl import KLKind, kl_estimate
 from rl_lightning.functional.logprobs import sampling_log_softmax, sampling_logits, sampling_logprobs, top_p_mask
@@ -56,8 +57,8 @@ __all__ = [
     "aggregation_weights",
     "baseline_advantages",
     "beta_tracker_update",
-    "bernoulli_kl",
     "batch_centered_advantages",
+    "bernoulli_kl",
     "categorical_kl",
     "clipped_policy_loss",
     "clipped_surrogate",
@@ -66,6 +67,9 @@ __all__ = [
     "ema_update",
     "explained_variance",
     "fisher_vector_product",
+    "forecast_loss",
+    "forecast_pairs",
+    "forecast_weights",
     "gae",
     "group_advantages",
     "importance_surrogate",

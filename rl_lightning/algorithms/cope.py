@@ -1,0 +1,125 @@
+"""CoPE: GRPO plus forecasting of successful action chunks on the shared backbone (spec 000, CoPE).
+
+``L = L_GRPO + η · E_x[L_AF,x]``, ``L_AF,x = -Σ_{τ∈S_x} Σ_t log p_θ(a_{t:t+K} | h_t) / max(1, |S_x|)``: for
+every action ``t`` of every successful trajectory (reward ``>= success_threshold``), the policy is asked, after
+the history ``h_t`` and a forecast instruction, for the next ``K`` recorded actions (fewer at the episode's end),
+teacher-forced through ``RLModule.score_sequences`` (a second forward, with gradient). Acting is unchanged: the
+instruction is only ever in the forecasting forward. The AF term is not weighted by ratios or advantages.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+from typing_extensions import override
+
+from rl_lightning.algorithms.base import PolicyOutput
+from rl_lightning.algorithms.grpo import GRPO
+from rl_lightning.functional import forecast_loss, forecast_pairs, forecast_weights
+from rl_lightning.rollout.batch import RolloutBatch
+
+#: ``batch.extras`` key of the per-row AF weights, fixed once per rollout batch in ``compute_advantages``
+WEIGHT_KEY = "forecast_weight"
+
+
+class CoPE(GRPO):
+    """GRPO with an action-forecasting NLL on the successful trajectories of each group.
+
+    Args:
+        forecast_coef: η, the weight of ``E_x[L_AF,x]`` (0 gives GRPO, and skips the forecasting forward).
+        forecast_horizon: K, actions per forecast chunk.
+        success_threshold: a trajectory is successful when its reward is ``>=`` this.
+        forecast_instruction: text appended after ``h_t`` (encoded once, no special tokens); the policy's
+            tokenizer must encode it without unknown tokens.
+        **kwargs: ``GRPO`` arguments (clipping, model, optimizer, aggregation, ...).
+    """
+
+    summed_metrics = GRPO.summed_metrics | {"train/forecast_loss"}
+
+    def __init__(
+        self,
+        forecast_coef: float = 0.1,
+        forecast_horizon: int = 2,
+        success_threshold: float = 1.0,
+        forecast_instruction: str = "forecast:",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if forecast_coef < 0 or forecast_horizon < 1:
+            raise ValueError(f"CoPE: need forecast_coef >= 0 and forecast_horizon >= 1, got {forecast_coef}, "
+                             f"{forecast_horizon}")
+        self.forecast_coef = forecast_coef
+        self.forecast_horizon = forecast_horizon
+        self.success_threshold = success_threshold
+        self.instruction_ids = self._encode_instruction(forecast_instruction)
+
+    def _encode_instruction(self, text: str) -> list[int]:
+        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        unk = self.tokenizer.unk_token_id
+        if not ids or (unk is not None and unk in ids):
+            unknown = [ch for ch in dict.fromkeys(text)
+                       if unk in self.tokenizer(ch, add_special_tokens=False)["input_ids"]]
+            why = f"{''.join(unknown)!r} map to the unknown token" if ids else "it encodes to no tokens"
+            raise ValueError(f"CoPE: forecast_instruction {text!r} cannot be encoded by the policy's tokenizer "
+                             f"({why}); use text it knows, e.g. 'forecast:'")
+        return ids
+
+    @override
+    def compute_advantages(self, batch: RolloutBatch) -> Tensor:
+        """GRPO's advantages; also fixes the rows' AF weights (``forecast_weights``, ``E_x`` over every prompt of
+        every rank) in ``batch.extras``, so micro-batches, minibatches and devices only slice them."""
+        if batch.turn_index is None and batch.obs_mask is not None:
+            raise ValueError("CoPE: this multi-turn batch has no turn_index, so its actions are unknown; "
+                             "produce it with rl_lightning.rollout.GroupRollout")
+        world = self.trainer.world_size if self._trainer is not None else 1
+        prompts = torch.tensor(float(batch.num_rows // batch.group_size), device=batch.rewards.device)
+        if world > 1:
+            prompts = self.trainer.strategy.reduce(prompts, reduce_op="sum")
+        weights = forecast_weights(batch.rewards, batch.group_size, self.success_threshold, float(prompts))
+        batch.extras[WEIGHT_KEY] = weights * world  # cancels DDP's gradient averaging, like loss_weights
+        return super().compute_advantages(batch)
+
+    @override
+    def policy_loss(
+        self, batch: RolloutBatch, out: PolicyOutput, advantages: Tensor, weights: Tensor
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        loss, stats = super().policy_loss(batch, out, advantages, weights)
+        term = self.forecast_term(batch)
+        return loss + term, {**stats, "train/forecast_loss": term.detach()}
+
+    def forecast_term(self, batch: RolloutBatch) -> Tensor:
+        """``η · Σ_{i in rows} w_i Σ_t -log p(a_{t:t+K} | h_t, instruction)`` of ``batch``'s rows (their share of
+        ``η · E_x[L_AF,x]``), scaled by ``num_minibatches`` as the base scales the policy weights."""
+        if WEIGHT_KEY not in batch.extras:
+            raise RuntimeError(f"CoPE: batch.extras[{WEIGHT_KEY!r}] is missing; compute_advantages sets it")
+        row_weights = batch.extras[WEIGHT_KEY] * self.num_minibatches
+        rows = (row_weights > 0).nonzero().flatten().tolist() if self.forecast_coef > 0 else []
+        contexts, targets, owners = [], [], []
+        for row in rows:
+            turns = None if batch.turn_index is None else batch.turn_index[row]
+            for context, target in forecast_pairs(batch.input_ids[row], batch.attention_mask[row],
+                                                  batch.prompt_length, batch.loss_mask[row], turns,
+                                                  self.instruction_ids, self.forecast_horizon):
+                contexts.append(context)
+                targets.append(target)
+                owners.append(row)
+        if not contexts:
+            return row_weights.new_zeros(())
+        self._check_length(max(len(c) + len(t) for c, t in zip(contexts, targets)))
+        scored, mask = self.score_sequences(contexts, targets)
+        pair_weights = row_weights[torch.tensor(owners, device=row_weights.device)]
+        return self.forecast_coef * forecast_loss(scored.logprobs, mask, pair_weights)
+
+    def _check_length(self, longest: int) -> None:
+        limit = getattr(self.policy.config, "max_position_embeddings", None)
+        if limit is not None and longest > limit:
+            raise ValueError(f"CoPE: a forecast sequence (history + instruction + {self.forecast_horizon} actions) "
+                             f"has {longest} tokens, more than the policy's {limit} positions; shorten "
+                             "forecast_instruction or forecast_horizon, or the episodes")
+
+    @override
+    def rollout_metrics(self, batch: RolloutBatch) -> dict[str, Tensor]:
+        success = (batch.rewards >= self.success_threshold).float().mean()
+        return {**super().rollout_metrics(batch), "train/success_fraction": success}
