@@ -172,7 +172,8 @@ def test_ddp_gradient_equals_one_process_holding_the_whole_batch(grpo_ddp_run):
 
 
 def test_ddp_token_metrics_are_means_over_all_ranks_tokens(grpo_ddp_run):
-    """``train/entropy`` is the mean over both ranks' tokens, not the mean of the two per-rank means."""
+    """``train/entropy`` is the mean over both ranks' tokens, not the mean of the two per-rank means (the tokens
+    of the rows the update forwards: rows with zero advantage are skipped, ``skip_inert_rows``)."""
     _, out = grpo_ddp_run
     from rl_lightning.algorithms import GRPO
     from rl_lightning.models.policy import load_policy
@@ -187,7 +188,9 @@ def test_ddp_token_metrics_are_means_over_all_ranks_tokens(grpo_ddp_run):
     def entropy_sum_and_tokens(batch):
         with torch.no_grad():
             ent = module.forward_policy(batch, with_entropy=True).entropy
-        return float(ent.sum()), float(batch.loss_mask.sum())
+        live = (module.compute_advantages(batch) != 0).float().unsqueeze(-1)  # the rows update forwards
+        assert live.any()
+        return float((ent * live).sum()), float((batch.loss_mask * live).sum())
 
     parts = [entropy_sum_and_tokens(_concat([r["batch"]], pad_id)) for r in ranks]
     assert parts[0][1] != parts[1][1]
@@ -196,6 +199,27 @@ def test_ddp_token_metrics_are_means_over_all_ranks_tokens(grpo_ddp_run):
     assert ranks[0]["logged_entropy"] == ranks[1]["logged_entropy"]
     assert ranks[0]["logged_entropy"] == pytest.approx(global_mean, rel=1e-5)
     assert abs(global_mean - mean_of_means) > 1e-4 * global_mean  # the two readings really differ here
+
+
+def test_ddp_ranks_that_skip_different_rows_agree_and_give_the_one_process_gradient(tmp_path_factory):
+    """Rank 0 skips every row (constant rewards), rank 1 forwards up to 4 micro-batches: rank 0 makes up the
+    backward passes with zero-contribution rows (no deadlock), and the averaged gradient is the one of a single
+    process forwarding every row of both ranks."""
+    _, out = _ddp("grpo-skip", tmp_path_factory)
+    from rl_lightning.models.policy import load_policy
+
+    pad_id = load_policy("embedded:arithmetic")[1].pad_token_id
+    for step in range(STEPS):
+        ranks = [_step(out, step, rank) for rank in (0, 1)]
+        assert torch.equal(ranks[0]["batch"]["rewards"], torch.full((8,), 0.5))
+        g0, g1 = ranks[0]["grads"], ranks[1]["grads"]
+        for name in g0:
+            assert torch.equal(g0[name], g1[name]), f"step {step}: ranks disagree on the gradient of {name}"
+        skipped = ranks[0]["logged_skipped_rows"]
+        assert ranks[1]["logged_skipped_rows"] == skipped and 0.5 <= skipped < 1.0  # rank 0: all; rank 1: some
+        batch = _concat([r["batch"] for r in ranks], pad_id)
+        _, grads = _single_process_step(ranks[0]["state"], batch, "seq_mean_token_mean")
+        _assert_grads_close(g0, grads, f"step {step} (skipping)")
 
 
 def test_spo_tracker_is_the_same_on_every_rank_and_holds_every_ranks_prompts(tmp_path_factory):

@@ -14,6 +14,17 @@ The step template (``training_step``), for one ``RolloutBatch`` produced by the 
 Because the weights are computed on the whole batch (and summed over ranks under data parallelism), the
 gradient of one optimiser step does not depend on how its rows are split into micro-batches or devices.
 
+Two savings in ``update`` that leave the update exactly the same (up to the fp32 rounding of a sum taken in
+another order):
+
+* **inert rows** (``skip_inert_rows``): rows whose every loss term is exactly zero with zero gradient
+  (``inert_rows``: by default the zero-advantage rows of a method that declares
+  ``zero_advantage_rows_are_inert``, when no ``LossTerm`` contributes) are not forwarded at all; their
+  aggregation weights stay in the normaliser, which was computed before on the whole batch;
+* **length bucketing** (``length_bucketing``): each minibatch's rows are ordered by response length before they
+  are cut into micro-batches of ``micro_batch_size``, and every micro-batch is cut to the columns its rows use
+  (``trim_padding``).
+
 ``trainer.global_step`` counts rollout batches: only the last optimiser step of a batch goes through
 Lightning's step counter, inner ones call the wrapped torch optimiser directly.
 """
@@ -22,7 +33,7 @@ from __future__ import annotations
 
 import time
 from abc import abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -54,6 +65,40 @@ class PolicyOutput:
     hidden: Tensor | None = None
 
 
+#: the per-token ``RolloutBatch`` fields (second dimension ``T``) that ``trim_padding`` cuts with the response
+_TOKEN_FIELDS = ("loss_mask", "sampler_logprobs", "obs_mask", "ref_logprobs", "values", "returns", "turn_index",
+                 "topk_ids", "topk_logprobs", "aux_ids")
+
+
+def trim_padding(batch: RolloutBatch) -> RolloutBatch:
+    """``batch`` without the columns none of its rows uses: the left padding all its prompts share and the
+    response columns after the last real token of every row (generated, EOS or observation).
+
+    A causal model's outputs at the kept positions do not depend on the padding cut away (it is masked, and
+    position ids count real tokens only), so log-probs, entropies and hidden states are the same, up to the
+    rounding of reductions of another length. The known per-token fields are cut with the response; if some
+    other per-row tensor (a field or ``extras``) has a second dimension of the response's or the row's width,
+    it may be per-token too, and the batch is returned unchanged.
+    """
+    p = batch.prompt_length
+    t = batch.input_ids.shape[1] - p
+    attention = batch.attention_mask.bool()
+    used = (attention[:, p:] | batch.loss_mask.bool()).any(dim=0)
+    width = max(int(used.nonzero().max()) + 1 if bool(used.any()) else 0, 1)
+    prompt_used = attention[:, :p].any(dim=0)
+    left = min(int(prompt_used.nonzero().min()) if bool(prompt_used.any()) else p, max(p - 1, 0))
+    if width >= t and left == 0:
+        return batch
+    known = {"input_ids", "attention_mask", *_TOKEN_FIELDS}
+    others = [getattr(batch, f.name) for f in fields(batch) if f.name not in known] + list(batch.extras.values())
+    if any(isinstance(v, Tensor) and v.dim() >= 2 and v.shape[1] in (t, p + t) for v in others):
+        return batch
+    width = min(width, t)
+    cut = {name: getattr(batch, name)[:, :width] for name in _TOKEN_FIELDS if getattr(batch, name) is not None}
+    return replace(batch, input_ids=batch.input_ids[:, left:p + width],
+                   attention_mask=batch.attention_mask[:, left:p + width], prompt_length=p - left, **cut)
+
+
 @runtime_checkable
 class LossTerm(Protocol):
     """What a callback implements to add a term to every policy loss (e.g. ``KLRegularizer``).
@@ -61,6 +106,11 @@ class LossTerm(Protocol):
     ``loss_term`` is called once per micro-batch with the learner's ``logprobs`` ``[n, T]`` (carrying the
     gradient) and the aggregation ``weights`` ``[n, T]`` of those rows; it returns the term to *add* to the loss
     and a dict of detached scalar metrics (logged as their mean over the step's updates).
+
+    Optionally the callback also has ``contributes(module) -> bool``: ``False`` promises that ``loss_term`` is
+    exactly zero with zero gradient for every row this update (``KLRegularizer`` with ``beta = 0``), so rows the
+    method finds inert may be skipped (``RLModule.inert_rows``). A loss term without it counts as contributing
+    to every row, which switches the skipping off. The answer must be the same on every rank.
     """
 
     def loss_term(
@@ -105,6 +155,13 @@ class RLModule(LightningModule):
         logprob_chunk_size: token positions per chunk when turning logits into log-probs and entropy (bounds
             the temporaries to [chunk, V]; see functional.sampling_logprobs).
         seed: seeds minibatch shuffling.
+        skip_inert_rows: do not forward rows whose loss is exactly zero with zero gradient (``inert_rows``);
+            the update is the same (``train/skipped_rows`` logs the fraction skipped). ``False`` forwards every row.
+            Both switches act in the default ``update`` (TRPO's own update forwards every row, unbucketed).
+        length_bucketing: order each minibatch's rows by response length before cutting it into micro-batches
+            (when ``micro_batch_size`` splits it), and cut every micro-batch to the columns its rows use (the
+            shared left padding of the prompts, the right padding after the longest response): less padding,
+            the same gradient. ``False`` keeps the minibatch's row order and the batch's full width.
     """
 
     def __init__(
@@ -120,8 +177,13 @@ class RLModule(LightningModule):
         max_grad_norm: float | None = 1.0,
         logprob_chunk_size: int = 256,
         seed: int = 0,
+        skip_inert_rows: bool = True,
+        length_bucketing: bool = True,
     ) -> None:
         super().__init__()
+        for name, flag in (("skip_inert_rows", skip_inert_rows), ("length_bucketing", length_bucketing)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{type(self).__name__}: {name} must be true or false, got {flag!r}")
         for name, value in (("num_iterations", num_iterations), ("num_minibatches", num_minibatches),
                             ("logprob_chunk_size", logprob_chunk_size)):
             if value < 1:
@@ -140,6 +202,8 @@ class RLModule(LightningModule):
         self.max_grad_norm = max_grad_norm
         self.logprob_chunk_size = logprob_chunk_size
         self.seed = seed
+        self.skip_inert_rows = skip_inert_rows
+        self.length_bucketing = length_bucketing
         self.policy, self.tokenizer = load_policy(model_name_or_path, dtype)
         self.policy.train()  # from_pretrained returns eval mode; Lightning toggles modes from here on
         self.automatic_optimization = False
@@ -168,6 +232,13 @@ class RLModule(LightningModule):
     needs_entropy: bool = False
     #: ask ``forward_policy`` for the final hidden states (value heads on the policy backbone)
     needs_hidden: bool = False
+    #: the method's ``policy_loss`` of a row whose advantages are exactly zero on all its ``loss_mask`` tokens is
+    #: exactly zero with zero gradient (true of ``Σ w · A · f(ρ)`` losses: PG, REINFORCE, RLOO, GRPO, SPO,
+    #: FlashREINFORCE; not with a value loss, an entropy bonus or any other term), so ``inert_rows`` may skip such
+    #: rows. The declaration holds for the ``policy_loss`` of the class that makes it: a subclass that overrides
+    #: ``policy_loss`` (CoPE adds a forecasting term) does not inherit it and must declare it again itself.
+    #: A method that sets ``needs_entropy`` or ``needs_hidden`` never skips.
+    zero_advantage_rows_are_inert: bool = False
     #: loss metrics that are means over the micro-batch's ``loss_mask`` tokens; ``update`` logs each as the mean
     #: over every token of the step's updates on every rank (weighted by token count), not as a mean of
     #: per-micro-batch (or per-rank) means. A subclass adds its own names with ``RLModule.token_mean_metrics | {...}``.
@@ -184,6 +255,37 @@ class RLModule(LightningModule):
     # per-instance state set by the hooks below (class defaults, so ``__init__`` stays the methods' own)
     _step_learning_rates: dict[str, Tensor] | None = None  # noted at on_train_batch_start for the step's log
     _heldout_batch: RolloutBatch | None = None  # the first batch of the running validation, for observers
+    #: ``[N]`` bool set by ``update``: the rows of the last rollout batch that were forwarded (all of them unless
+    #: inert rows were skipped), for a subclass's ``update`` that reports per-row metrics of every row
+    forwarded_rows: Tensor | None = None
+
+    def inert_rows(self, batch: RolloutBatch, advantages: Tensor) -> Tensor | None:
+        """``[N]`` bool: the rows whose every loss term is exactly zero with zero gradient, or ``None`` when the
+        method can never tell (then nothing is skipped and no collective is spent on it).
+
+        ``update`` does not forward these rows (``skip_inert_rows``): their aggregation weights were already
+        counted in the normaliser, so the gradient is the same. ``advantages`` are ``[N, 1]`` or ``[N, T]``.
+        Default: if the method declares ``zero_advantage_rows_are_inert`` (and needs neither entropy nor hidden
+        states), the rows whose advantages are exactly 0 on every ``loss_mask`` token (a row with no generated
+        token included), else ``None``. Only called when no ``LossTerm`` contributes (see ``LossTerm``).
+        Whether it returns ``None`` must depend on the configuration only (the same on every rank); the rows
+        may differ per rank.
+        """
+        if not self._declares_zero_advantage_rows_inert():
+            return None
+        mask = batch.loss_mask.bool()
+        adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(-1)
+        return ((adv.expand(mask.shape) == 0) | ~mask).all(dim=1)
+
+    def _declares_zero_advantage_rows_inert(self) -> bool:
+        if not self.zero_advantage_rows_are_inert or self.needs_entropy or self.needs_hidden:
+            return False
+        if "zero_advantage_rows_are_inert" in vars(self):  # set on the instance: its owner's word
+            return True
+        mro = type(self).__mro__
+        declared_by = next(k for k in mro if "zero_advantage_rows_are_inert" in vars(k))
+        loss_from = next(k for k in mro if "policy_loss" in vars(k))
+        return issubclass(declared_by, loss_from)  # declared for the policy_loss in use, not an ancestor's
 
     def check_datamodule(self, datamodule: Any) -> None:
         """Refuse data settings the method cannot use (called at setup). Default: accept everything."""
@@ -345,9 +447,78 @@ class RLModule(LightningModule):
         order = torch.randperm(num_rows, generator=gen).to(self.device)
         return list(order.chunk(self.num_minibatches))
 
-    def _micro_batches(self, rows: Tensor) -> list[Tensor]:
+    def _micro_batches(self, rows: Tensor, extent: Tensor) -> list[Tensor]:
+        """``rows`` cut into micro-batches; with ``length_bucketing``, longest responses first (a stable sort, so
+        rows of equal length keep their order), so each micro-batch holds rows of similar length."""
+        if rows.numel() == 0:
+            return []
         size = self.micro_batch_size or rows.numel()
+        if self.length_bucketing and size < rows.numel():
+            rows = rows[torch.sort(extent[rows], descending=True, stable=True).indices]
         return list(rows.split(size))
+
+    def _skipped_rows(self, batch: RolloutBatch, advantages: Tensor, terms: list[LossTerm]) -> Tensor | None:
+        """``[N]`` bool, the rows ``update`` does not forward; ``None`` when skipping cannot apply (the same
+        answer on every rank: it depends on the configuration only)."""
+        if not self.skip_inert_rows:
+            return None
+        for term in terms:
+            contributes = getattr(term, "contributes", None)
+            if contributes is None or contributes(self):
+                return None
+        rows = self.inert_rows(batch, advantages)
+        if rows is None:
+            return None
+        rows = rows.to(device=batch.loss_mask.device, dtype=torch.bool)
+        if rows.shape != (batch.num_rows,):
+            raise ValueError(f"{type(self).__name__}.inert_rows returned shape {tuple(rows.shape)}, expected "
+                             f"({batch.num_rows},)")
+        return rows
+
+    def _update_plan(self, batch: RolloutBatch, skipped: Tensor | None) -> list[tuple[int, int, list[Tensor]]]:
+        """``(iteration, minibatch index, micro-batches)`` of every optimiser step of ``update``.
+
+        Skipped rows are left out before the minibatch's rows are cut into micro-batches. Every rank then runs the
+        same number of forward/backward passes per optimiser step (each backward is a collective under DDP/FSDP),
+        at least one: the most micro-batches any rank has (one ``max`` all-reduce per update), a rank with fewer
+        making up the difference with one-row micro-batches of its shortest skipped rows, whose contribution is
+        exactly zero. So an all-skipped step still back-propagates one row (a zero gradient for every parameter
+        the loss reaches, as without skipping) and steps the optimiser.
+        """
+        response = batch.attention_mask[:, batch.prompt_length:].bool() | batch.loss_mask.bool()
+        columns = torch.arange(1, response.shape[1] + 1, device=response.device)
+        extent = (response * columns).amax(dim=1) if response.shape[1] else columns.new_zeros(batch.num_rows)
+        steps: list[tuple[int, int, Tensor, list[Tensor]]] = []
+        for iteration in range(self.num_iterations):
+            for index, rows in enumerate(self._minibatches(batch.num_rows, iteration)):
+                live = rows if skipped is None else rows[~skipped.to(rows.device)[rows]]
+                steps.append((iteration, index, rows, self._micro_batches(live, extent.to(rows.device))))
+        if skipped is None:
+            return [(iteration, index, micros) for iteration, index, _, micros in steps]
+        need = torch.tensor([len(micros) for *_, micros in steps], device=self.device)
+        if self._trainer is not None and self.trainer.world_size > 1:
+            need = self.trainer.strategy.reduce(need, reduce_op="max")
+        plan = []
+        for (iteration, index, rows, micros), count in zip(steps, need.clamp(min=1).tolist()):
+            if len(micros) < count:  # some rows of this minibatch were skipped: fill with them, shortest first
+                idle = rows[skipped.to(rows.device)[rows]]
+                idle = idle[torch.sort(extent.to(rows.device)[idle], stable=True).indices]
+                micros = micros + [idle[j % idle.numel()].reshape(1) for j in range(count - len(micros))]
+            plan.append((iteration, index, micros))
+        return plan
+
+    def _micro_batch(self, batch: RolloutBatch, rows: Tensor, advantages: Tensor,
+                     weights: Tensor) -> tuple[RolloutBatch, Tensor, Tensor]:
+        """The sub-batch of ``rows`` with its advantages and weights (with ``length_bucketing``: cut to the columns
+        its rows use)."""
+        mb, adv, w = batch.select(rows), advantages[rows], weights[rows]
+        if self.length_bucketing:
+            mb = trim_padding(mb)
+            width = mb.loss_mask.shape[1]
+            w = w[:, :width]
+            if adv.shape[1] != 1:
+                adv = adv[:, :width]
+        return mb, adv, w
 
     def _check_finite(self, value: Tensor, what: str, iteration: int, minibatch: int) -> None:
         if not torch.isfinite(value).all():
@@ -389,60 +560,65 @@ class RLModule(LightningModule):
         Returns the metrics of every micro-batch/step, averaged by ``training_step``. ``train/sampler_logp_diff``
         and ``train/entropy`` are measured on the first optimiser step's rows, before any update, as token
         means over every rank's tokens; the ``token_mean_metrics`` are token means over all the updates' tokens
-        on every rank.
+        on every rank. Rows skipped as inert (``skip_inert_rows``) are not forwarded, so these token means are
+        over the rows that were (``forwarded_rows``); the loss values and the gradient are those of every row.
+        ``train/skipped_rows`` is the fraction of the batch's rows skipped (over all ranks).
         """
         optimizer = self.optimizers()
         weights = weights * self.num_minibatches  # each optimiser step at full-batch scale
         terms = self._loss_terms()
+        skipped = self._skipped_rows(batch, advantages, terms)
+        plan = self._update_plan(batch, skipped)
+        forwarded = torch.zeros(batch.num_rows, dtype=torch.bool, device=batch.loss_mask.device)
         stats: dict[str, list[Tensor]] = {}
         token_sums: dict[str, list[Tensor]] = {}  # per token-mean metric: [sum over its tokens, token count]
 
         def add_tokens(key: str, total: Tensor, tokens: Tensor) -> None:
             pair = token_sums.setdefault(key, [tokens.new_zeros(()), tokens.new_zeros(())])
             pair[0], pair[1] = pair[0] + total, pair[1] + tokens
-        steps_total = self.num_iterations * self.num_minibatches
-        steps_done = 0
-        for iteration in range(self.num_iterations):
-            for index, rows in enumerate(self._minibatches(batch.num_rows, iteration)):
-                optimizer.zero_grad()
-                step_sums: dict[str, Tensor] = {}  # summed metrics of this optimiser step
-                for micro in self._micro_batches(rows):
-                    mb = batch.select(micro)
-                    measure = steps_done == 0
-                    out = self.forward_policy(mb, with_entropy=measure or self.needs_entropy,
-                                              with_hidden=self.needs_hidden)
-                    tokens = mb.loss_mask.sum().float()
-                    if measure:  # before any update: the learner vs the sampler that drew the tokens
-                        diff = (out.logprobs.detach() - mb.sampler_logprobs).abs() * mb.loss_mask
-                        add_tokens("train/sampler_logp_diff", diff.sum().float(), tokens)
-                        add_tokens("train/entropy", out.entropy.detach().sum().float(), tokens)
-                    loss, loss_stats = self.policy_loss(mb, out, advantages[micro], weights[micro])
-                    for term in terms:
-                        extra, extra_stats = term.loss_term(self, mb, out.logprobs, weights[micro])
-                        loss = loss + extra
-                        loss_stats = {**loss_stats, **extra_stats}
-                    self._check_finite(loss.detach(), "loss", iteration, index)
-                    if loss.requires_grad:  # e.g. not while a callback has frozen every parameter
-                        self.manual_backward(loss)
-                    step_sums["train/loss"] = step_sums.get("train/loss", 0.0) + loss.detach().float()
-                    for key, value in loss_stats.items():
-                        if key in self.summed_metrics:
-                            step_sums[key] = step_sums.get(key, 0.0) + value.detach().float()
-                        elif key in self.token_mean_metrics:
-                            add_tokens(key, value.detach().float() * tokens, tokens)
-                        else:
-                            stats.setdefault(key, []).append(value.detach().float())
-                for key, value in step_sums.items():
-                    stats.setdefault(key, []).append(value)
-                params = [p for p in self.trainable_parameters() if p.grad is not None]
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm or float("inf"))
-                self._check_finite(grad_norm, "gradient norm", iteration, index)
-                stats.setdefault("train/grad_norm", []).append(grad_norm.detach())
-                steps_done += 1
-                if steps_done == steps_total:
-                    optimizer.step()  # the one step Lightning counts: global_step = rollout batches
-                else:
-                    optimizer.optimizer.step()
+        for steps_done, (iteration, index, micro_batches) in enumerate(plan):
+            optimizer.zero_grad()
+            step_sums: dict[str, Tensor] = {}  # summed metrics of this optimiser step
+            for micro in micro_batches:
+                forwarded[micro] = True
+                mb, mb_advantages, mb_weights = self._micro_batch(batch, micro, advantages, weights)
+                measure = steps_done == 0
+                out = self.forward_policy(mb, with_entropy=measure or self.needs_entropy,
+                                          with_hidden=self.needs_hidden)
+                tokens = mb.loss_mask.sum().float()
+                if measure:  # before any update: the learner vs the sampler that drew the tokens
+                    diff = (out.logprobs.detach() - mb.sampler_logprobs).abs() * mb.loss_mask
+                    add_tokens("train/sampler_logp_diff", diff.sum().float(), tokens)
+                    add_tokens("train/entropy", out.entropy.detach().sum().float(), tokens)
+                loss, loss_stats = self.policy_loss(mb, out, mb_advantages, mb_weights)
+                for term in terms:
+                    extra, extra_stats = term.loss_term(self, mb, out.logprobs, mb_weights)
+                    loss = loss + extra
+                    loss_stats = {**loss_stats, **extra_stats}
+                self._check_finite(loss.detach(), "loss", iteration, index)
+                if loss.requires_grad:  # e.g. not while a callback has frozen every parameter
+                    self.manual_backward(loss)
+                step_sums["train/loss"] = step_sums.get("train/loss", 0.0) + loss.detach().float()
+                for key, value in loss_stats.items():
+                    if key in self.summed_metrics:
+                        step_sums[key] = step_sums.get(key, 0.0) + value.detach().float()
+                    elif key in self.token_mean_metrics:
+                        add_tokens(key, value.detach().float() * tokens, tokens)
+                    else:
+                        stats.setdefault(key, []).append(value.detach().float())
+            for key, value in step_sums.items():
+                stats.setdefault(key, []).append(value)
+            params = [p for p in self.trainable_parameters() if p.grad is not None]
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm or float("inf"))
+            self._check_finite(grad_norm, "gradient norm", iteration, index)
+            stats.setdefault("train/grad_norm", []).append(grad_norm.detach())
+            if steps_done == len(plan) - 1:
+                optimizer.step()  # the one step Lightning counts: global_step = rollout batches
+            else:
+                optimizer.optimizer.step()
+        self.forwarded_rows = forwarded
+        stats["train/skipped_rows"] = [skipped.float().mean() if skipped is not None
+                                       else torch.zeros((), device=batch.loss_mask.device)]
         optimizer.zero_grad()
         names = sorted(token_sums)  # the same on every rank: which metrics a loss reports depends on config only
         sums = torch.stack([x for key in names for x in token_sums[key]])

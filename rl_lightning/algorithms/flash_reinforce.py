@@ -47,6 +47,8 @@ class FlashREINFORCE(PolicyGradient):
     Logged besides the base metrics: ``train/trajectory_keep_fraction`` (rows kept out of every row of the
     step, on every rank), ``train/bernoulli_kl`` (token mean of ``d``), ``train/ratio_mean`` and
     ``train/advantage_mean`` (token means over every generated token, kept or not) and ``train/logprob_mean``.
+    Rows with zero advantage are not forwarded (``skip_inert_rows``): the token means are over the others, and
+    such a row counts as kept.
 
     Args:
         delta: the gate's threshold δ on the token-mean Bernoulli KL (``inf`` switches the gate off).
@@ -57,6 +59,8 @@ class FlashREINFORCE(PolicyGradient):
     token_mean_metrics = PolicyGradient.token_mean_metrics | {"train/bernoulli_kl"}
     # a row's aggregation weights sum to its share 1/B of the step, so gate x weights summed is a row fraction
     summed_metrics = PolicyGradient.summed_metrics | {"train/trajectory_keep_fraction"}
+    #: ``-Σ w · m · sg(ρ) · A · log π``: a zero-advantage row adds exactly 0 with zero gradient, gated or not
+    zero_advantage_rows_are_inert = True
 
     def __init__(self, delta: float = 5e-3, loss_aggregation: AggregationMode = "seq_mean_token_mean",
                  **kwargs: Any) -> None:
@@ -83,6 +87,16 @@ class FlashREINFORCE(PolicyGradient):
         totals = torch.stack([rewards.sum(), torch.tensor(float(rewards.numel()), device=rewards.device)])
         totals = self.trainer.strategy.reduce(totals, reduce_op="sum")  # [Σ R, B] over every rank
         return batch_centered_advantages(rewards, totals[0] / totals[1])
+
+    @override
+    def update(self, batch: RolloutBatch, advantages: Tensor, weights: Tensor) -> dict[str, list[Tensor]]:
+        """The base update; a zero-advantage row skipped unforwarded (``skip_inert_rows``) counts as kept in
+        ``train/trajectory_keep_fraction``: its gate is not measured, and could not change the update."""
+        stats = super().update(batch, advantages, weights)
+        if self.forwarded_rows is not None and not bool(self.forwarded_rows.all()):
+            share = (weights.sum(dim=1) * (~self.forwarded_rows).to(weights.dtype)).sum()  # one optimiser step
+            stats["train/trajectory_keep_fraction"] = [v + share for v in stats["train/trajectory_keep_fraction"]]
+        return stats
 
     @override
     def policy_loss(

@@ -29,6 +29,10 @@ class GRPO(RLModule):
     """
 
     min_group_size = 2
+    #: ``-Σ w · min(ρA, clip(ρ)A)``: a zero-advantage row (a group with no reward spread) adds exactly 0 with zero
+    #: gradient, so it is not forwarded (``RLModule.inert_rows``); a subclass overriding ``policy_loss`` (CoPE)
+    #: does not inherit this
+    zero_advantage_rows_are_inert = True
 
     def __init__(
         self,

@@ -28,6 +28,9 @@ class PolicyGradient(RLModule):
         **kwargs: ``RLModule`` arguments (model, optimizer, minibatches, ...).
     """
 
+    #: ``-Σ w · A · log π``: a zero-advantage row adds exactly 0 with zero gradient (``RLModule.inert_rows``)
+    zero_advantage_rows_are_inert = True
+
     def __init__(self, loss_aggregation: AggregationMode = "seq_mean_token_sum", **kwargs: Any) -> None:
         super().__init__(loss_aggregation=loss_aggregation, **kwargs)
         if self.num_iterations != 1:

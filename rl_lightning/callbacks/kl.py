@@ -62,6 +62,11 @@ class KLRegularizer(Callback):
             with torch.no_grad():  # once per rollout batch, shared by all iterations and minibatches
                 batch.ref_logprobs, _ = pl_module.token_logprobs(batch, model=self.reference)  # type: ignore[operator]
 
+    def contributes(self, module: RLModule) -> bool:
+        """``LossTerm``'s optional promise: with ``beta = 0`` the term is exactly zero, so it never keeps a row
+        that the method finds inert from being skipped."""
+        return self.beta != 0
+
     def loss_term(
         self, module: RLModule, batch: RolloutBatch, logprobs: Tensor, weights: Tensor
     ) -> tuple[Tensor, dict[str, Tensor]]:

@@ -1,12 +1,14 @@
 """Run a method for two steps under 2-process CPU DDP (gloo) and dump what each rank saw and ended with.
 
-Usage: python tests/helpers/ddp_run.py OUT_DIR [grpo|ppo-separate|spo]   (plain ``ddp`` relaunches this script)
+Usage: python tests/helpers/ddp_run.py OUT_DIR [grpo|grpo-skip|ppo-separate|spo]  (plain ``ddp`` relaunches this script)
 
 Per rank it writes ``rank{r}.json`` (prompts drawn, logged losses, final weights) and, for every step ``s``,
 ``step{s}_rank{r}.pt``: the rollout batch's tensors, the policy's weights before the update (rank 0 only)
 and the DDP-averaged gradient that reached the optimiser. For ``grpo`` the loss aggregation is
 ``seq_mean_token_mean`` at step 0 and ``token_mean`` at step 1, and gradients are not clipped, so the test can
-recompute each step's gradient in one process holding both ranks' rows.
+recompute each step's gradient in one process holding both ranks' rows. ``grpo-skip`` is ``grpo`` (unclipped,
+the default aggregation) with ``micro_batch_size=2`` and every reward on rank 0 the same: rank 0 skips all its
+rows while rank 1 forwards some, so the ranks must still agree on the number of backward passes.
 """
 
 from __future__ import annotations
@@ -49,6 +51,15 @@ def batch_record(batch: RolloutBatch) -> dict[str, Any]:
     return record
 
 
+class ConstantOnRankZero(GradedMatch):
+    """``GradedMatch`` on every rank but 0, where every response gets 0.5 (each group there has no spread)."""
+
+    def __call__(self, prompt: Prompt, response: str) -> float:
+        if torch.distributed.is_initialized() and torch.distributed.get_rank() == 0:
+            return 0.5
+        return super().__call__(prompt, response)
+
+
 class Dump(Callback):
     def __init__(self, out: Path, aggregation: tuple[str, ...] | None = None) -> None:
         self.out = out
@@ -80,6 +91,7 @@ class Dump(Callback):
         self.loss.append(float(trainer.callback_metrics["train/loss"]))
         self.step["logged_loss"] = self.loss[-1]  # averaged over ranks by log_training_metrics
         self.step["logged_entropy"] = float(trainer.callback_metrics["train/entropy"])
+        self.step["logged_skipped_rows"] = float(trainer.callback_metrics["train/skipped_rows"])
         torch.save(self.step, self.out / f"step{trainer.global_step - 1}_rank{trainer.global_rank}.pt")
 
     def on_train_end(self, trainer, pl_module) -> None:  # noqa: ANN001
@@ -109,6 +121,11 @@ def main() -> None:
         module = GRPO(model_name_or_path="embedded:arithmetic", optimizer=optimizer, max_grad_norm=None)
         dump = Dump(out, GRPO_AGGREGATION)
         data = tiny_datamodule(prompts_per_step=4, reward_fn=GradedMatch())
+    elif method == "grpo-skip":  # rank 0: no row to forward; rank 1: up to 4 micro-batches of 2
+        module = GRPO(model_name_or_path="embedded:arithmetic", optimizer=optimizer, max_grad_norm=None,
+                      micro_batch_size=2)
+        dump = Dump(out)
+        data = tiny_datamodule(prompts_per_step=4, reward_fn=ConstantOnRankZero())
     elif method == "spo":  # a pool of 6 prompts, 4 per step: the ranks revisit each other's prompts
         module = SPO(model_name_or_path="embedded:arithmetic", optimizer=optimizer)
         dump = Dump(out)

@@ -1,0 +1,351 @@
+"""Doing less work for the same update (issue 14, items 2 and 3).
+
+* Inert rows (``RLModule.inert_rows``: zero advantage, no contributing loss term) are not forwarded, and the
+  gradient is the one of forwarding every row -- also when every row is skipped (a zero gradient, logged,
+  no NaN) -- while a contributing ``LossTerm`` (KL with ``beta > 0``), a value loss (PPO) or a ``policy_loss``
+  override (CoPE) switch the skipping off.
+* Length bucketing (rows ordered by response length into micro-batches, each cut to its longest row) leaves
+  the gradient unchanged, for ``[N]`` and ``[N, T]`` (PPO) advantages.
+
+Tolerance: both paths add the same per-row contributions to every gradient entry (an inert row's are exactly 0),
+in another order and with other matrix-product shapes (fewer rows, fewer columns). Each float32 rounding is at
+most 2^-24 of the partial sum; over the <= 16 rows x 8 tokens (128 terms) of a batch here, the difference is
+bounded by ~128 · 2^-24 ≈ 8e-6 of the sum of the terms' magnitudes, which is of the order of the largest
+gradient entry: ``atol = 8e-6 · max|grad|`` (the largest difference measured here is 2e-6 · max|grad|).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rl_lightning.algorithms import CoPE, GRPO, PPO, REINFORCE, RLOO, SPO, FlashREINFORCE, PolicyGradient, TRPO
+from rl_lightning.algorithms.base import trim_padding
+from rl_lightning.callbacks import KLRegularizer
+from rl_lightning.envs.base import Prompt, RewardFunction
+from rl_lightning.rollout import RolloutBatch
+from tests.conftest import tiny_datamodule, tiny_trainer
+
+ATOL = 128 * 2.0**-24  # relative to max |grad|, see the module docstring
+
+#: response lengths of the hand batch (4 groups of 4; width 8): very different within every group
+LENGTHS = [8, 1, 5, 3, 2, 7, 1, 6, 4, 8, 2, 1, 6, 3, 8, 5]
+PROMPTS = [3, 6, 4, 5]  # real prompt tokens of each group (left-padded to 6)
+MIXED = [1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5, 0.0, 1.0, 0.25, 0.0, 1.0, 1.0, 1.0, 1.0]  # groups 1, 3 constant
+SPREAD = [1.0, 0.0, 0.0, 1.0, 0.75, 0.0, 1.0, 0.5, 0.0, 1.0, 0.25, 0.0, 1.0, 0.0, 0.5, 1.0]  # every group varies
+
+
+def _batch(rewards: list[float], lengths: list[int] = LENGTHS, width: int = 8, prompt: int = 6) -> RolloutBatch:
+    n, g = len(lengths), 4
+    gen = torch.Generator().manual_seed(0)
+    loss_mask = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).long()
+    real_prompt = torch.tensor([PROMPTS[i // g % len(PROMPTS)] for i in range(n)])
+    prompt_mask = (torch.arange(prompt)[None] >= prompt - real_prompt[:, None]).long()
+    attention = torch.cat([prompt_mask, loss_mask], dim=1)
+    ids = torch.randint(3, 99, (n, prompt + width), generator=gen) * attention
+    return RolloutBatch(
+        input_ids=ids, attention_mask=attention, prompt_length=prompt, loss_mask=loss_mask,
+        sampler_logprobs=torch.zeros(n, width), rewards=torch.tensor(rewards), group_size=g,
+        prompt_index=torch.arange(n) // g, truncated=torch.zeros(n, dtype=torch.bool),
+        prompt_id=torch.arange(n) // g,
+    )
+
+
+def _off_policy(module, batch: RolloutBatch) -> RolloutBatch:  # noqa: ANN001
+    """Sampler log-probs = the learner's plus noise, so ratios differ from 1 (and some tokens clip)."""
+    with torch.no_grad():
+        learner = module.forward_policy(batch).logprobs
+    noise = 0.2 * torch.randn(learner.shape, generator=torch.Generator().manual_seed(7))
+    batch.sampler_logprobs = (learner + noise).clamp(max=0.0) * batch.loss_mask
+    return batch
+
+
+class _Capture:
+    """Stands in for Lightning's optimiser wrapper: every ``step`` keeps the accumulated gradient."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.params, self.steps, self.optimizer = params, [], self
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def step(self) -> None:
+        self.steps.append([None if p.grad is None else p.grad.clone() for p in self.params])
+
+
+def _update(module, batch: RolloutBatch, monkeypatch, terms=()):  # noqa: ANN001, ANN202
+    """``RLModule.update`` without a Trainer: ``(gradients of each optimiser step, metrics, backward count)``."""
+    capture = _Capture(list(module.parameters()))
+    backwards = []
+    monkeypatch.setattr(module, "optimizers", lambda: capture)
+    monkeypatch.setattr(module, "manual_backward", lambda loss: (backwards.append(1), loss.backward()))
+    monkeypatch.setattr(module, "_loss_terms", lambda: list(terms))
+    advantages = module.compute_advantages(batch).detach()
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1)
+    stats = module.update(batch, advantages, module.loss_weights(batch))
+    metrics = {k: torch.stack([v.float().reshape(()) for v in vs]).mean().item() for k, vs in stats.items()}
+    return capture.steps, metrics, len(backwards)
+
+
+def _assert_same_gradient(got: list, want: list) -> None:  # noqa: ANN001
+    assert len(got) == len(want)
+    for step_got, step_want in zip(got, want):
+        assert [g is None for g in step_got] == [g is None for g in step_want]  # the same parameters reached
+        scale = max(float(g.abs().max()) for g in step_want if g is not None)
+        assert scale > 0
+        for g, w in zip(step_got, step_want):
+            if w is not None:
+                torch.testing.assert_close(g, w, rtol=0, atol=ATOL * scale)
+
+
+def _grpo(**kwargs) -> GRPO:  # noqa: ANN003
+    torch.manual_seed(0)
+    return GRPO(model_name_or_path="embedded:arithmetic", max_grad_norm=None, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------------ inert rows
+@pytest.mark.parametrize("settings", [{}, {"micro_batch_size": 3}, {"num_minibatches": 2, "micro_batch_size": 2},
+                                      {"num_iterations": 2, "loss_aggregation": "token_mean"}])
+def test_skipping_zero_variance_groups_gives_the_same_gradient(monkeypatch, settings):
+    module = _grpo(**settings)
+    batch = _off_policy(module, _batch(MIXED))
+    state = {k: v.clone() for k, v in module.state_dict().items()}
+    runs = {}
+    for skip in (False, True):
+        module.load_state_dict(state)
+        module.skip_inert_rows = skip
+        runs[skip] = _update(module, batch, monkeypatch)
+    (want, full, calls_full), (got, skipped, calls_skipped) = runs[False], runs[True]
+    _assert_same_gradient(got, want)
+    assert full["train/skipped_rows"] == 0.0 and skipped["train/skipped_rows"] == 0.5
+    assert module.forwarded_rows.tolist() == [r < 4 or 8 <= r < 12 for r in range(16)]  # groups 1 and 3 skipped
+    assert calls_skipped < calls_full or "micro_batch_size" not in settings
+    # loss values are every row's (an inert row's is 0); the loss is a sum of terms of both signs of size
+    # Σ w |A| ρ ≈ 1 here, whose per-row log-probs round differently in other micro-batch shapes
+    assert skipped["train/loss"] == pytest.approx(full["train/loss"], rel=0, abs=ATOL)
+    assert skipped["train/grad_norm"] == pytest.approx(full["train/grad_norm"], rel=ATOL)
+
+
+@pytest.mark.parametrize("cls", [PolicyGradient, REINFORCE, RLOO, SPO, FlashREINFORCE])
+def test_the_reinforce_family_skips_zero_advantage_rows_with_the_same_gradient(monkeypatch, cls):
+    torch.manual_seed(0)
+    kwargs = {"prioritized": False} if cls is SPO else {"baseline": "none"} if cls is REINFORCE else {}
+    if cls is FlashREINFORCE:
+        kwargs = {"delta": float("inf")}  # no gate: the keep fraction is 1 either way
+    module = cls(model_name_or_path="embedded:arithmetic", max_grad_norm=None, micro_batch_size=5, **kwargs)
+    rewards = [1.0, 1.0, 1.0, 1.0] + SPREAD[4:] if cls is RLOO else SPREAD  # RLOO: a constant group
+    if cls is SPO:  # SPO: A = 0 where R equals the batch mean of R - v̂ (0.5 here, v̂ = 0.5)
+        rewards = [1.0, 0.0] * 4 + [0.5] * 8
+    if cls is FlashREINFORCE:
+        rewards = [0.5] * 8 + [0.0, 1.0] * 4  # batch mean 0.5
+    batch = _off_policy(module, _batch(rewards))
+    state = {k: v.clone() for k, v in module.state_dict().items()}
+    runs = {}
+    for skip in (False, True):
+        module.load_state_dict(state)
+        if cls is SPO:  # the tracker took the first run's outcomes
+            module.tracker.clear(), module.last_response.clear()
+        module.skip_inert_rows = skip
+        runs[skip] = _update(module, batch, monkeypatch)
+    _assert_same_gradient(runs[True][0], runs[False][0])
+    assert runs[True][1]["train/skipped_rows"] > 0
+    if cls is FlashREINFORCE:  # a skipped row counts as kept
+        assert runs[True][1]["train/trajectory_keep_fraction"] == pytest.approx(1.0, rel=1e-6)
+
+
+def test_a_contributing_kl_term_switches_skipping_off(monkeypatch):
+    module = _grpo(micro_batch_size=4)
+    batch = _off_policy(module, _batch(MIXED))
+    state = {k: v.clone() for k, v in module.state_dict().items()}
+    runs = {}
+    for name, skip, terms in (("off", False, [KLRegularizer(beta=0.1, target="sampler")]),
+                              ("kl", True, [KLRegularizer(beta=0.1, target="sampler")]),
+                              ("no-kl", True, [KLRegularizer(beta=0.0)])):
+        module.load_state_dict(state)
+        module.skip_inert_rows = skip
+        runs[name] = _update(module, batch, monkeypatch, terms)
+    assert runs["kl"][1]["train/skipped_rows"] == 0.0  # a constant group still gets the KL's gradient
+    for want, got in zip(runs["off"][0][0], runs["kl"][0][0]):
+        assert torch.equal(got, want)  # nothing skipped: the very same computation
+    assert runs["kl"][1]["train/kl"] > 0
+    assert runs["no-kl"][1]["train/skipped_rows"] == 0.5  # beta = 0 promises nothing
+
+
+def test_a_loss_term_without_contributes_counts_as_contributing(monkeypatch):
+    class Nothing:
+        def loss_term(self, module, batch, logprobs, weights):  # noqa: ANN001, ANN201
+            return logprobs.new_zeros(()), {}
+
+    class Idle(Nothing):
+        def contributes(self, module) -> bool:  # noqa: ANN001
+            return False
+
+    module = _grpo()
+    batch = _off_policy(module, _batch(MIXED))
+    assert _update(module, batch, monkeypatch, [Nothing()])[1]["train/skipped_rows"] == 0.0
+    assert _update(module, batch, monkeypatch, [Idle()])[1]["train/skipped_rows"] == 0.5
+
+
+@pytest.mark.parametrize("micro_batch_size", [None, 3])
+def test_an_all_skipped_batch_gives_a_zero_gradient_and_no_nan(monkeypatch, micro_batch_size):
+    module = _grpo(micro_batch_size=micro_batch_size)
+    batch = _off_policy(module, _batch([1.0] * 4 + [0.0] * 4 + [0.5] * 4 + [1.0] * 4))
+    steps, metrics, backwards = _update(module, batch, monkeypatch)
+    assert metrics["train/skipped_rows"] == 1.0
+    assert backwards == 1  # one zero-contribution row keeps the backward (a collective under DDP)
+    assert int(module.forwarded_rows.sum()) == 1
+    (grads,) = steps
+    assert all(g is not None and torch.equal(g, torch.zeros_like(g)) for g in grads)  # as without skipping
+    assert metrics["train/grad_norm"] == 0.0 and metrics["train/loss"] == 0.0
+    assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
+
+
+class _Constant(RewardFunction):
+    def __call__(self, prompt: Prompt, response: str) -> float:
+        return 1.0
+
+
+def test_an_all_skipped_step_trains_on_and_logs(tmp_path, recorder):
+    torch.manual_seed(0)
+    module = GRPO(model_name_or_path="embedded:arithmetic", micro_batch_size=4,
+                  optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.0))
+    before = {k: v.clone() for k, v in module.policy.state_dict().items()}
+    trainer = tiny_trainer(tmp_path, max_steps=2, callbacks=[recorder])
+    trainer.fit(module, datamodule=tiny_datamodule(reward_fn=_Constant()))
+    assert trainer.global_step == 2
+    for metrics in recorder.metrics:
+        assert metrics["train/skipped_rows"] == 1.0 and metrics["train/zero_std_fraction"] == 1.0
+        assert metrics["train/grad_norm"] == 0.0 and metrics["train/loss"] == 0.0
+        assert all(v == v for v in metrics.values())  # no NaN
+    after = module.policy.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # Adam's step of a zero gradient is 0
+
+
+def test_ppo_trpo_and_cope_never_skip(monkeypatch):
+    batch = _batch([1.0] * 16)
+    torch.manual_seed(0)
+    ppo = PPO(model_name_or_path="embedded:arithmetic", micro_batch_size=4)
+    _, metrics, backwards = _update(ppo, batch, monkeypatch)
+    assert ppo.inert_rows(batch, torch.zeros(16, 1)) is None  # a value loss: every row has a gradient
+    assert metrics["train/skipped_rows"] == 0.0 and backwards == 4
+    assert TRPO(model_name_or_path="embedded:random").inert_rows(batch, torch.zeros(16, 1)) is None
+    # CoPE inherits GRPO's declaration but overrides policy_loss (a forecasting term on successful rows)
+    assert CoPE(model_name_or_path="embedded:arithmetic").inert_rows(batch, torch.zeros(16, 1)) is None
+
+
+def test_the_declaration_belongs_to_the_policy_loss_that_makes_it():
+    class NewLoss(GRPO):
+        def policy_loss(self, batch, out, advantages, weights):  # noqa: ANN001, ANN201
+            return super().policy_loss(batch, out, advantages, weights)
+
+    class Redeclared(NewLoss):
+        zero_advantage_rows_are_inert = True
+
+    class NewBaseline(GRPO):  # advantages only: the loss is GRPO's
+        def compute_advantages(self, batch):  # noqa: ANN001, ANN201
+            return super().compute_advantages(batch)
+
+    batch = _batch(MIXED)
+    adv = GRPO(model_name_or_path="embedded:random").compute_advantages(batch).unsqueeze(-1)
+    assert NewLoss(model_name_or_path="embedded:random").inert_rows(batch, adv) is None
+    expect = [r in range(4, 8) or r in range(12, 16) for r in range(16)]
+    assert Redeclared(model_name_or_path="embedded:random").inert_rows(batch, adv).tolist() == expect
+    assert NewBaseline(model_name_or_path="embedded:random").inert_rows(batch, adv).tolist() == expect
+    entropy = GRPO(model_name_or_path="embedded:random")
+    entropy.needs_entropy = True  # e.g. an entropy bonus: a zero-advantage row still has a gradient
+    assert entropy.inert_rows(batch, adv) is None
+    # per-token advantages: inert when zero on every generated token; padding does not count
+    per_token = adv.expand(16, 8) * batch.loss_mask
+    per_token[0, 7] = 0.0  # row 0 (length 8) stays live through its other tokens
+    per_token[1, 0], per_token[1, 5] = 0.0, 3.0  # row 1 (length 1): zero on its token, not on padding
+    expect[1] = True
+    assert GRPO(model_name_or_path="embedded:random").inert_rows(batch, per_token).tolist() == expect
+
+
+def test_the_switches_are_validated():
+    with pytest.raises(ValueError, match="skip_inert_rows must be true or false"):
+        GRPO(model_name_or_path="embedded:random", skip_inert_rows="yes")
+    with pytest.raises(ValueError, match="length_bucketing must be true or false"):
+        GRPO(model_name_or_path="embedded:random", length_bucketing=1)
+
+
+# ------------------------------------------------------------------------------------------------ padding
+@pytest.mark.parametrize("aggregation", ["seq_mean_token_mean", "token_mean"])
+def test_length_bucketing_gives_the_same_gradient(monkeypatch, aggregation):
+    module = _grpo(loss_aggregation=aggregation)
+    batch = _off_policy(module, _batch(SPREAD))
+    state = {k: v.clone() for k, v in module.state_dict().items()}
+    runs = []
+    for micro, bucketing in ((None, False), (None, True), (1, True), (2, True), (2, False), (5, True)):
+        module.load_state_dict(state)
+        module.micro_batch_size, module.length_bucketing = micro, bucketing
+        runs.append(_update(module, batch, monkeypatch))
+    want = runs[0][0]
+    for got, *_ in runs[1:]:
+        _assert_same_gradient(got, want)
+    assert all(run[1]["train/skipped_rows"] == 0.0 for run in runs)
+    for key in ("train/loss", "train/clip_fraction", "train/ratio_mean", "train/entropy"):
+        for run in runs[1:]:
+            assert run[1][key] == pytest.approx(runs[0][1][key], rel=1e-5, abs=1e-7), key
+
+
+@pytest.mark.parametrize("critic", ["shared", "separate"])
+def test_length_bucketing_slices_per_token_advantages_ppo(monkeypatch, critic):
+    torch.manual_seed(0)
+    module = PPO(model_name_or_path="embedded:arithmetic", critic=critic, max_grad_norm=None)
+    batch = _off_policy(module, _batch(SPREAD))
+    state = {k: v.clone() for k, v in module.state_dict().items()}
+    runs = []
+    for micro, bucketing in ((None, False), (3, True), (1, True)):
+        module.load_state_dict(state)
+        module.micro_batch_size, module.length_bucketing = micro, bucketing
+        runs.append(_update(module, batch, monkeypatch))
+    for got, *_ in runs[1:]:
+        _assert_same_gradient(got, runs[0][0])
+
+
+def test_micro_batches_hold_rows_of_similar_length_deterministically():
+    module = _grpo(micro_batch_size=4, num_minibatches=2)
+    batch = _batch(SPREAD)
+    plans = [module._update_plan(batch, None), module._update_plan(batch, None)]
+    assert [[m.tolist() for m in micros] for *_, micros in plans[0]] == \
+           [[m.tolist() for m in micros] for *_, micros in plans[1]]
+    for _, _, micros in plans[0]:
+        lengths = [LENGTHS[r] for m in micros for r in m.tolist()]
+        assert lengths == sorted(lengths, reverse=True)  # longest first within each minibatch
+    rows = sorted(r for *_, micros in plans[0] for m in micros for r in m.tolist())
+    assert rows == list(range(16))  # every row once per pass
+    module.length_bucketing = False
+    assert [m.tolist() for m in module._update_plan(batch, None)[0][2]] == [
+        m.tolist() for m in module._minibatches(16, 0)[0].split(4)]
+
+
+def test_trim_padding_cuts_unused_columns_and_keeps_the_log_probs():
+    module = _grpo()
+    batch = _batch(SPREAD)
+    rows = torch.tensor([1, 10, 11])  # responses of 1, 2 and 1 tokens, prompts of 3, 4 and 4 tokens (of 6, 8)
+    part = batch.select(rows)
+    cut = trim_padding(part)
+    assert cut.prompt_length == 4 and cut.loss_mask.shape == (3, 2) and cut.input_ids.shape == (3, 6)
+    assert torch.equal(cut.response_ids, part.response_ids[:, :2])
+    assert torch.equal(cut.input_ids[:, :4], part.input_ids[:, 2:6])
+    with torch.no_grad():
+        full, short = module.forward_policy(part).logprobs, module.forward_policy(cut).logprobs
+    torch.testing.assert_close(short, full[:, :2], rtol=0, atol=1e-5)
+    assert torch.equal(full[:, 2:], torch.zeros_like(full[:, 2:]))
+    # a per-row tensor that may be per-token blocks the cut; per-row scalars follow it
+    part.extras["per_token"] = torch.zeros(3, 8)
+    assert trim_padding(part) is part
+    part.extras.pop("per_token")
+    part.extras["per_row"] = torch.ones(3)
+    assert trim_padding(part).extras["per_row"].shape == (3,)
+    assert trim_padding(cut) is cut  # nothing left to cut
+
+
+def test_the_kl_term_declares_whether_it_contributes():
+    assert KLRegularizer(beta=0.0).contributes(SimpleNamespace()) is False
+    assert KLRegularizer(beta=0.05).contributes(SimpleNamespace()) is True
