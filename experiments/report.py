@@ -55,6 +55,10 @@ def load_run(path: Path) -> Run:
     if config.is_file():
         cfg = yaml.safe_load(config.read_text())
         method = str(cfg.get("model", {}).get("class_path", "?")).rsplit(".", 1)[-1]
+        logger = (cfg.get("trainer", {}).get("logger") or {})
+        name = str((logger.get("init_args") or {}).get("name", "")) if isinstance(logger, dict) else ""
+        if name.startswith("ablations/"):  # configs/ablations/<method>_<variant>.yaml: keep it apart from the method
+            method = f"{method} [{'_'.join(name.removeprefix('ablations/').split('_')[:2])}]"
         seed = str(cfg.get("seed_everything", "?"))
     steps = max([s for s, _ in train] + [s for s, _ in val] + [0])
     return Run(path, method, seed, sorted(val), sorted(train), max(times) - min(times), steps)

@@ -13,7 +13,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from rl_lightning.cli import build_cli
 from tests.conftest import REPO
 
-CONFIGS = sorted(p for p in (REPO / "configs").glob("*.yaml"))
+CONFIGS = sorted([*(REPO / "configs").glob("*.yaml"), *(REPO / "configs" / "ablations").glob("*.yaml")])
 TINY = [
     "--trainer.max_steps", "2", "--trainer.val_check_interval", "2",
     "--data.init_args.task.init_args.num_heldout", "16", "--data.init_args.prompts_per_step", "4",
