@@ -34,6 +34,7 @@ class CoPE(GRPO):
         success_threshold: a trajectory is successful when its reward is ``>=`` this.
         forecast_instruction: text appended after ``h_t`` (encoded once, no special tokens); the policy's
             tokenizer must encode it without unknown tokens.
+        instruction_first: put the instruction before ``h_t`` instead (a leading instruction).
         **kwargs: ``GRPO`` arguments (clipping, model, optimizer, aggregation, ...).
     """
 
@@ -45,6 +46,7 @@ class CoPE(GRPO):
         forecast_horizon: int = 2,
         success_threshold: float = 1.0,
         forecast_instruction: str = "forecast:",
+        instruction_first: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -55,6 +57,7 @@ class CoPE(GRPO):
         self.forecast_horizon = forecast_horizon
         self.success_threshold = success_threshold
         self.instruction_ids = self._encode_instruction(forecast_instruction)
+        self.instruction_first = instruction_first
 
     def _encode_instruction(self, text: str) -> list[int]:
         ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -102,7 +105,8 @@ class CoPE(GRPO):
             turns = None if batch.turn_index is None else batch.turn_index[row]
             for context, target in forecast_pairs(batch.input_ids[row], batch.attention_mask[row],
                                                   batch.prompt_length, batch.loss_mask[row], turns,
-                                                  self.instruction_ids, self.forecast_horizon):
+                                                  self.instruction_ids, self.forecast_horizon,
+                                                  self.instruction_first):
                 contexts.append(context)
                 targets.append(target)
                 owners.append(row)

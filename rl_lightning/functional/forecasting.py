@@ -49,7 +49,7 @@ def forecast_weights(rewards: Tensor, group_size: int, threshold: float, num_pro
 
 def forecast_pairs(
     input_ids: Tensor, attention_mask: Tensor, prompt_length: int, loss_mask: Tensor, turn_index: Tensor | None,
-    instruction_ids: Sequence[int], horizon: int,
+    instruction_ids: Sequence[int], horizon: int, instruction_first: bool = False,
 ) -> list[tuple[list[int], list[int]]]:
     """The ``(context, target)`` token-id pairs of one row, one per action ``t`` (spec 000, CoPE).
 
@@ -63,7 +63,8 @@ def forecast_pairs(
         input_ids, attention_mask: ``[P+T]`` the row (left-padded prompt, then the response).
         prompt_length: ``P``.
         loss_mask, turn_index: ``[T]`` the row's response masks (``turn_index`` -1 off actions).
-        instruction_ids: the forecast instruction's ids, appended after ``h_t``.
+        instruction_ids: the forecast instruction's ids, appended after ``h_t`` (``instruction_first``: put
+            before it, as a leading instruction).
         horizon: ``K >= 1``, actions per chunk.
 
     Returns:
@@ -82,7 +83,8 @@ def forecast_pairs(
     for t, where in enumerate(positions):
         start = prompt_length + where[0]
         history = [tok for tok, keep in zip(ids[:start], real[:start]) if keep]
-        pairs.append((history + list(instruction_ids), [tok for chunk in chunks[t:t + horizon] for tok in chunk]))
+        context = list(instruction_ids) + history if instruction_first else history + list(instruction_ids)
+        pairs.append((context, [tok for chunk in chunks[t:t + horizon] for tok in chunk]))
     return pairs
 
 

@@ -53,6 +53,8 @@ def test_pairs_are_the_history_then_the_instruction_and_the_next_k_recorded_acti
     assert [target for _, target in single] == [a0, a1, a2]
     long = forecast_pairs(ids, attention, p, loss_mask, turns, [I1], horizon=5)
     assert [target for _, target in long] == [a0 + a1 + a2, a1 + a2, a2]
+    first = forecast_pairs(ids, attention, p, loss_mask, turns, [I1, I2], horizon=2, instruction_first=True)
+    assert first == [([I1, I2] + context[:-2], target) for context, target in pairs]  # the instruction leads
 
 
 def test_a_single_turn_response_is_one_action():
