@@ -12,8 +12,16 @@ Per rollout batch, with θ_old the weights at the start of the update::
 
 Not PPO: there is no clipping, no learning rate and one parameter change per rollout batch. The change goes
 through a plain SGD(lr=1) optimiser with ``grad = -step`` so Lightning counts it as the batch's one global step.
-Not validated at scale: F⁻¹g needs the ``[N, T, V]`` full-vocabulary log-probs and a double backward through
-the whole policy, which is cheap for the embedded model and expensive for real LLMs (single process only).
+
+``F v`` comes in Gauss-Newton form by default (``fisher_product: gauss_newton``): ``Jᵀ M J v`` from two
+first-order passes through one kept forward of the logits, in which each distinct prompt goes through the network
+once (``fisher_logits``), and ``F x`` for the step scale from CG's own residual; the same matrix to floating-point
+rounding as the double backward through the KL (``double_backward``, the original path), so the same step to
+what CG's float32 sensitivity allows (``docs/performance.md``), measured 2.3-3.3x faster per update
+(``experiments/bench_trpo.py``).
+Not validated at scale: F⁻¹g needs the ``[N, T, V]`` full-vocabulary log-probs and second-order autograd
+through the whole policy (a backward of a backward), which is cheap for the embedded model and expensive for
+real LLMs (single process only).
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.utils import parameters_to_vector
+from transformers.cache_utils import DynamicCache
 from typing_extensions import override
 
 from rl_lightning.algorithms.base import NonFiniteLossError, PolicyOutput, RLModule
@@ -40,14 +49,45 @@ from rl_lightning.functional.trpo import (
     categorical_kl,
     conjugate_gradient,
     fisher_vector_product,
+    gauss_newton_vector_product,
     importance_surrogate,
     trust_region_scale,
 )
 from rl_lightning.models.value import CriticMode, build_critic
 from rl_lightning.rollout.batch import RolloutBatch
-from rl_lightning.rollout.generation import position_ids_from_mask
+from rl_lightning.rollout.generation import _cache_argument, _returned_cache, position_ids_from_mask
+
+try:  # transformers >= 4.5x: a cache is a list of layers
+    from transformers.cache_utils import DynamicLayer
+except ImportError:  # pragma: no cover - older transformers
+    DynamicLayer = None
 
 AdvantageEstimator = Literal["group", "gae"]
+FisherProduct = Literal["gauss_newton", "double_backward"]
+
+
+def _shareable(model: nn.Module) -> bool:
+    """Whether identical prompt rows may share one forward of ``model``: a Hugging Face model (a ``config``) whose
+    forward is deterministic (no dropout active in training mode: a group's shared prompt would get one mask
+    instead of one per row) and keeps a cache (no gradient checkpointing)."""
+    config = getattr(model, "config", None)
+    checkpointing = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") \
+        else "is_gradient_checkpointing"  # transformers >= 5.2x renamed it
+    if config is None or getattr(model, checkpointing, False):
+        return False
+    if model.training and (float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0 or any(
+            isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules())):
+        return False
+    return True
+
+
+def _repeatable_cache(cache: object) -> bool:
+    """Whether ``cache`` is a plain ``DynamicCache`` (every layer holds the whole history: no sliding window,
+    quantisation or offloading), whose rows ``batch_select_indices`` can repeat exactly and differentiably."""
+    if type(cache) is not DynamicCache or not callable(getattr(cache, "batch_select_indices", None)):
+        return False
+    layers = getattr(cache, "layers", None)
+    return layers is None or (DynamicLayer is not None and all(type(layer) is DynamicLayer for layer in layers))
 
 
 class TRPO(RLModule):
@@ -62,6 +102,11 @@ class TRPO(RLModule):
         fisher_subsample: estimate the Fisher matrix on every k-th row of the batch only (OpenAI baselines' TRPO
             uses 5): each conjugate-gradient product costs about 1/k as much; ``g`` and the line search (surrogate
             and KL) always use the whole batch. 1 = the exact batch Fisher.
+        fisher_product: how ``F v`` is computed, the same matrix either way (to floating-point rounding):
+            ``gauss_newton`` -- ``Jᵀ M J v`` (``functional.gauss_newton_vector_product``) on ``fisher_logits``
+            (each distinct prompt through the network once), ``F x`` for the step scale from CG's residual, 2.3-3.3x
+            faster; ``double_backward`` -- the Hessian-vector product of the KL by double backpropagation
+            (``functional.fisher_vector_product``) on ``vocab_logprobs``, plus a last product for ``F x``.
         advantage_estimator: ``group`` -- GRPO's ``(R - μ_G) / (σ_G + std_eps)`` (``functional.group_advantages``);
             ``gae`` -- per-token GAE over a critic's values (as in PPO), the critic fitted by Adam on the value loss.
         scale_rewards: with ``group``, divide by σ_G; ``False`` gives ``R - μ_G``.
@@ -91,6 +136,7 @@ class TRPO(RLModule):
         backtrack_iters: int = 10,
         backtrack_coeff: float = 0.5,
         fisher_subsample: int = 1,
+        fisher_product: FisherProduct = "gauss_newton",
         advantage_estimator: AdvantageEstimator = "group",
         scale_rewards: bool = True,
         std_eps: float = 1e-6,
@@ -111,6 +157,8 @@ class TRPO(RLModule):
             ("backtrack_iters", backtrack_iters >= 0, "must be >= 0", backtrack_iters),
             ("backtrack_coeff", 0 < backtrack_coeff < 1, "must be in (0, 1)", backtrack_coeff),
             ("fisher_subsample", fisher_subsample >= 1, "must be >= 1", fisher_subsample),
+            ("fisher_product", fisher_product in ("gauss_newton", "double_backward"),
+             "must be 'gauss_newton' or 'double_backward'", fisher_product),
             ("advantage_estimator", advantage_estimator in ("group", "gae"), "must be 'group' or 'gae'",
              advantage_estimator),
             ("critic_lr", critic_lr > 0, "must be > 0", critic_lr),
@@ -129,7 +177,7 @@ class TRPO(RLModule):
                 raise ValueError(f"TRPO: {name} {rule}, got {value!r}")
         self.delta, self.damping = delta, damping
         self.cg_iters, self.backtrack_iters, self.backtrack_coeff = cg_iters, backtrack_iters, backtrack_coeff
-        self.fisher_subsample = fisher_subsample
+        self.fisher_subsample, self.fisher_product = fisher_subsample, fisher_product
         self.advantage_estimator = advantage_estimator
         self.min_group_size = 2 if advantage_estimator == "group" else 1  # group-relative advantages need G >= 2
         self.scale_rewards, self.std_eps = scale_rewards, std_eps
@@ -227,12 +275,60 @@ class TRPO(RLModule):
             stats = {**stats, **extra_stats}
         return -loss, logprobs, stats
 
-    def fisher_vector_product(self, batch: RolloutBatch, damping: float | None = None) -> Callable[[Tensor], Tensor]:
-        """``v -> F v + damping v`` at the current weights on ``batch`` (F: Hessian of the mean full-vocab KL)."""
+    def fisher_logits(self, batch: RolloutBatch) -> Tensor:
+        """``[N, T, V]`` float32 raw logits of the positions that predict the response tokens, carrying the graph:
+        those of ``vocab_logprobs``'s forward (the same function of the weights, equal to rounding), with each
+        distinct prompt through the network once.
+
+        A causal LM's prompt positions do not depend on the response, and the ``G`` rows of a group share their
+        (left-padded) prompt: one forward of the ``U`` distinct prompts (ids and attention mask) fills a KV
+        cache and gives the logits of position ``P - 1``; the cache's rows are repeated to the batch's and one
+        forward of the response tokens but the last (whose logit predicts nothing) gives the rest. On
+        ``configs/trpo.yaml`` (16 prompts x 8, 7 prompt + 4 response positions) that is 496 positions through
+        the network instead of 1408. Without repeated prompts, for a model with dropout active or gradient
+        checkpointing (``_shareable``), or if its cache is not a plain ``DynamicCache`` (``_repeatable_cache``),
+        it is ``vocab_logprobs``'s forward. SDPA runs on the math
+        backend, as there (the products need a backward of a backward).
+        """
+        prompt, width = batch.prompt_length, batch.input_ids.shape[1] - batch.prompt_length  # P, T
+        attention = batch.attention_mask.long()
+        positions = position_ids_from_mask(attention)
+        with sdpa_kernel(SDPBackend.MATH):
+            if prompt > 0 and width > 0 and _shareable(self.policy):
+                keys = torch.cat([batch.input_ids[:, :prompt], attention[:, :prompt]], dim=1)
+                unique, inverse = torch.unique(keys, dim=0, return_inverse=True)
+                if unique.shape[0] < batch.num_rows:
+                    out = self.policy(input_ids=unique[:, :prompt], attention_mask=unique[:, prompt:],
+                                      position_ids=position_ids_from_mask(unique[:, prompt:]), logits_to_keep=1,
+                                      use_cache=True)
+                    cache = _returned_cache(out)
+                    if _repeatable_cache(cache):
+                        first = out.logits[inverse]  # [N, 1, V]: position P-1 predicts response token 0
+                        if width == 1:
+                            return first.float()
+                        cache.batch_select_indices(inverse)  # [U, ...] -> [N, ...], differentiable indexing
+                        rest = self.policy(input_ids=batch.input_ids[:, prompt:-1], attention_mask=attention[:, :-1],
+                                           position_ids=positions[:, prompt:-1], use_cache=True,
+                                           **{_cache_argument(self.policy): cache}).logits  # [N, T-1, V]
+                        return torch.cat([first, rest], dim=1).float()
+            out = self.policy(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=positions,
+                              logits_to_keep=width + 1, use_cache=False)
+        return out.logits[:, :-1].float()
+
+    def fisher_vector_product(self, batch: RolloutBatch, damping: float | None = None,
+                              method: FisherProduct | None = None) -> Callable[[Tensor], Tensor]:
+        """``v -> F v + damping v`` at the current weights on ``batch`` (F: Hessian of the mean full-vocab KL),
+        by ``method`` (default ``fisher_product``)."""
         params = self.trainable_parameters()
-        new = self.vocab_logprobs(batch)
-        kl = categorical_kl(new.detach(), new, batch.loss_mask)
-        return fisher_vector_product(kl, params, self.damping if damping is None else damping)
+        damping = self.damping if damping is None else damping
+        if (method or self.fisher_product) == "double_backward":
+            new = self.vocab_logprobs(batch)
+            kl = categorical_kl(new.detach(), new, batch.loss_mask)
+            return fisher_vector_product(kl, params, damping)
+        logits = self.fisher_logits(batch)
+        with torch.no_grad():
+            old = sampling_log_softmax(logits, batch.temperature, batch.top_p, keep=batch.response_ids)
+        return gauss_newton_vector_product(logits, old, batch.loss_mask, params, batch.temperature, damping)
 
     def critic_values(self, batch: RolloutBatch) -> Tensor:
         """``[N, T]`` critic values (masked). In shared mode the head reads the policy's detached hidden states."""
@@ -279,24 +375,34 @@ class TRPO(RLModule):
         if not torch.isfinite(surrogate):
             raise NonFiniteLossError(f"TRPO: non-finite surrogate ({surrogate.item()}) at step {self.global_step}; "
                                      "the weights were not updated")
-        grads = torch.autograd.grad(surrogate, params, retain_graph=True, allow_unused=True)
+        reuse = self.fisher_product == "double_backward" and self.fisher_subsample == 1  # its KL needs this graph
+        grads = torch.autograd.grad(surrogate, params, retain_graph=reuse, allow_unused=True)
         g = torch.cat([(gr if gr is not None else torch.zeros_like(p)).reshape(-1) for gr, p in zip(grads, params)])
 
         # natural direction x = F⁻¹ g by CG (float64), scaled to the edge of the quadratic trust region
-        if self.fisher_subsample == 1:
-            fisher_kl = categorical_kl(old_logp, new_logp, mask)
-        else:  # a forward of the sub-batch only, so that each double backward is cheaper too
+        sub = batch  # a sub-batch's forward only, so that each product is cheaper too
+        if self.fisher_subsample > 1:
             sub = batch.select(torch.arange(0, batch.num_rows, self.fisher_subsample, device=mask.device))
-            sub_logp = self.vocab_logprobs(sub)
-            fisher_kl = categorical_kl(sub_logp.detach(), sub_logp, sub.loss_mask)
-        fvp = fisher_vector_product(fisher_kl, params, self.damping)
-        x = conjugate_gradient(fvp, g.double(), self.cg_iters)
-        scale = trust_region_scale(x, fvp(x), self.delta)
+        if self.fisher_product == "double_backward":
+            if self.fisher_subsample == 1:
+                fisher_kl = categorical_kl(old_logp, new_logp, mask)
+            else:
+                sub_logp = self.vocab_logprobs(sub)
+                fisher_kl = categorical_kl(sub_logp.detach(), sub_logp, sub.loss_mask)
+            fvp = fisher_vector_product(fisher_kl, params, self.damping)
+            x = conjugate_gradient(fvp, g.double(), self.cg_iters)
+            fx = fvp(x)
+            del fisher_kl
+        else:
+            fvp = self.fisher_vector_product(sub, method="gauss_newton")
+            x, residual = conjugate_gradient(fvp, g.double(), self.cg_iters, with_residual=True)
+            fx = g.double() - residual  # (F + damping) x = g - r: no product for it
+        scale = trust_region_scale(x, fx, self.delta)
         full_step = (scale * x).to(g.dtype)  # [D]
         if not torch.isfinite(full_step).all():
             raise NonFiniteLossError(f"TRPO: non-finite step at step {self.global_step}; the weights were not updated")
 
-        del fvp, fisher_kl, grads, new_logp  # free the double-backward graph before the line search
+        del fvp, grads, new_logp, sub  # free the products' graphs before the line search
         surrogate, logprobs = surrogate.detach(), logprobs.detach()
         # backtracking line search on the real KL and surrogate; the weights are restored afterwards
         theta_old = parameters_to_vector(params).detach().clone()

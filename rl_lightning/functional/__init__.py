@@ -43,6 +43,7 @@ from rl_lightning.functional.trpo import (
     categorical_kl,
     conjugate_gradient,
     fisher_vector_product,
+    gauss_newton_vector_product,
     importance_surrogate,
     trust_region_scale,
 )
@@ -71,6 +72,7 @@ __all__ = [
     "forecast_pairs",
     "forecast_weights",
     "gae",
+    "gauss_newton_vector_product",
     "group_advantages",
     "importance_surrogate",
     "kl_estimate",

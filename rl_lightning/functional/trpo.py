@@ -5,7 +5,9 @@ and the step scale.
 TRPO approximately solves ``max_θ S(θ)  s.t.  KL(π_old ‖ π_θ) <= δ``: with ``g = ∇S`` and the Fisher matrix
 ``F = ∇² KL`` at θ_old, the step is ``sqrt(2δ / xᵀFx) · x`` with ``x = F⁻¹ g`` found by conjugate gradient
 from Fisher-vector products only, then shrunk by a backtracking line search until the measured KL is within δ
-and the surrogate improves.
+and the surrogate improves. The products come either by double backpropagation through the KL
+(``fisher_vector_product``) or, the same matrix to rounding at about half the cost, in Gauss-Newton form
+``Jᵀ M J v`` from first-order passes only (``gauss_newton_vector_product``).
 
 Shapes: ``N`` rows, ``T`` response tokens, ``V`` vocabulary; ``D`` = number of parameters (flat vectors).
 """
@@ -21,8 +23,9 @@ from rl_lightning.functional.masked import masked_mean
 
 
 def conjugate_gradient(
-    matvec: Callable[[Tensor], Tensor], b: Tensor, iters: int, residual_tol: float = 1e-10
-) -> Tensor:
+    matvec: Callable[[Tensor], Tensor], b: Tensor, iters: int, residual_tol: float = 1e-10,
+    with_residual: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Solve ``F x = b`` for a symmetric positive-definite ``F`` given only ``v -> F v`` (spec 003, §4 TRPO;
     Schulman et al. 2015, Appendix C).
 
@@ -41,9 +44,13 @@ def conjugate_gradient(
         b: ``[D]`` right-hand side (TRPO: the surrogate gradient ``g``).
         iters: maximum number of iterations (>= 1).
         residual_tol: stop when the squared residual norm falls below this.
+        with_residual: also return the final residual ``r``. It is updated by the recursion above, so
+            ``b - r = Σ_k α_k F p_k = F x`` (exactly in exact arithmetic; to the rounding of the products in
+            floating point): ``F x`` for ``trust_region_scale`` without another product.
 
     Returns:
-        ``[D]`` the approximate solution ``x ≈ F⁻¹ b`` (dtype of ``b``; pass float64 for stability).
+        ``[D]`` the approximate solution ``x ≈ F⁻¹ b`` (dtype of ``b``; pass float64 for stability); with
+        ``with_residual``, the pair ``(x, r)``.
 
     Example:
         >>> F = torch.tensor([[4.0, 1.0], [1.0, 3.0]], dtype=torch.float64)
@@ -71,7 +78,7 @@ def conjugate_gradient(
         rr_new = r @ r
         p = r + (rr_new / rr) * p
         rr = rr_new
-    return x
+    return (x, r) if with_residual else x
 
 
 def trust_region_scale(x: Tensor, Fx: Tensor, delta: float) -> Tensor:  # noqa: N803 (F is the paper's name)
@@ -212,5 +219,100 @@ def fisher_vector_product(
         hv = torch.autograd.grad(grad_v, params, retain_graph=True, allow_unused=True)
         flat = torch.cat([(h if h is not None else torch.zeros_like(p)).reshape(-1) for h, p in zip(hv, params)])
         return flat.to(v.dtype) + damping * v
+
+    return product
+
+
+def gauss_newton_vector_product(
+    logits: Tensor, old_logp: Tensor, mask: Tensor, params: Sequence[Tensor], temperature: float = 1.0,
+    damping: float = 0.0,
+) -> Callable[[Tensor], Tensor]:
+    """``v -> F v + damping · v`` with the Fisher matrix in Gauss-Newton form, without a double backward through
+    the model (spec 003, §4 TRPO; Schulman et al. 2015, Appendix C.1; Martens 2014, "New insights and
+    perspectives on the natural gradient method", §9)::
+
+        F v = Jᵀ M (J v),   M = ⊕_{i,t: mask=1} (diag(p) - p pᵀ) / (τ² Σ mask),   p = exp(old_logp[i, t])
+
+    with ``J = ∂ logits / ∂θ``. This *is* the Hessian ``∇²_θ KL(π_old ‖ π_θ)`` that
+    ``fisher_vector_product`` computes from ``categorical_kl(old_logp, sampling_log_softmax(logits, τ, top_p),
+    mask)`` at θ = θ_old (``old_logp`` = those log-probs, detached): by the chain rule that Hessian is
+    ``Jᵀ (∂²KL/∂logits²) J + Σ_k (∂KL/∂logits_k) ∇²_θ logits_k``; the KL's gradient in the logits,
+    ``(p_θ - p_old) / (τ Σ mask)``, is 0 at θ_old, and its Hessian in the logits is ``M``: the log-softmax's
+    ``diag(p) - p pᵀ`` in the scaled logits ``logits / τ`` (hence ``1/τ²``), zero outside ``π_old``'s support
+    (``p = 0`` there, e.g. cut by top-p) and on the masked-out positions. The two differ by rounding only.
+
+    Each product is two first-order passes through the kept graph of ``logits``: ``J v`` as the derivative of
+    ``u -> Jᵀu`` along ``v`` (the graph of that backward is made once, here, with ``create_graph``), then one
+    ordinary backward of ``M J v``. ``J`` is thus the transpose of autograd's own backward, so ``F`` is exactly
+    symmetric even where a backward is not the derivative (an embedding's ``padding_idx`` row gets 0 both ways, as
+    in ``fisher_vector_product``). ``fisher_vector_product`` backpropagates through the whole first backward
+    instead, second-order terms of every layer included: 1.5x the time of these two passes on the same graph
+    (``configs/trpo.yaml``'s batch).
+
+    Args:
+        logits: ``[N, T, V]`` raw (not temperature-scaled) logits carrying the graph to ``params``.
+        old_logp: ``[N, T, V]`` log-probs of π_old = the sampling distribution of ``logits`` (``-inf`` off its
+            support); constants.
+        mask: ``[N, T]`` 1 on the positions that count.
+        params: the ``D`` parameters (in total); ones that ``logits`` does not depend on get 0.
+        temperature: the sampling temperature τ > 0 the log-probs were computed with.
+        damping: added multiple of the identity.
+
+    Returns:
+        A closure ``v [D] -> F v + damping v [D]`` (symmetric positive semi-definite for ``damping = 0``);
+        ``v`` may be of any float dtype, the result has ``v``'s dtype.
+
+    Example:
+        >>> theta = torch.zeros(2, requires_grad=True)   # one categorical with logits θ, p_old = [0.5, 0.5]
+        >>> logits = theta.view(1, 1, 2)
+        >>> gauss_newton_vector_product(logits, torch.log_softmax(logits.detach(), -1), torch.ones(1, 1),
+        ...                             [theta])(torch.tensor([1.0, 0.0]))   # (diag(p) - p pᵀ) v
+        tensor([ 0.2500, -0.2500])
+    """
+    if logits.dim() != 3 or old_logp.shape != logits.shape or tuple(mask.shape) != tuple(logits.shape[:2]):
+        raise ValueError(
+            f"gauss_newton_vector_product: need logits, old_logp [N, T, V] and mask [N, T], got "
+            f"{tuple(logits.shape)}, {tuple(old_logp.shape)}, {tuple(mask.shape)}"
+        )
+    if temperature <= 0:
+        raise ValueError(f"gauss_newton_vector_product: temperature must be > 0, got {temperature}")
+    params = list(params)
+    sizes = [p.numel() for p in params]
+    dim = sum(sizes)
+    p_old = old_logp.detach().to(logits.dtype).exp()  # [N, T, V]; 0 off the support
+    mask = mask.to(logits.dtype)
+    # the per-position factor of M: masked_mean's 1 / Σ mask and the 1/τ of each of the two logit derivatives
+    weight = (mask / (mask.sum().clamp(min=1.0) * temperature ** 2)).unsqueeze(-1)  # [N, T, 1]
+    live: list[int] = []
+    jt_u: list[Tensor] = []
+    u = torch.zeros_like(logits, requires_grad=True)
+    if logits.requires_grad:
+        grads = torch.autograd.grad(logits, params, grad_outputs=u, create_graph=True, allow_unused=True)
+        for i, grad in enumerate(grads):  # Jᵀu, linear in u, one entry per parameter
+            if grad is not None and grad.requires_grad:
+                live.append(i)
+                jt_u.append(grad)
+    live_params = [params[i] for i in live]
+    offsets = [0]
+    for n in sizes:
+        offsets.append(offsets[-1] + n)
+
+    def product(v: Tensor) -> Tensor:
+        if v.shape != (dim,):
+            raise ValueError(f"gauss_newton_vector_product: v must have shape ({dim},), got {tuple(v.shape)}")
+        if not live:  # logits independent of every parameter: F = 0
+            return damping * v
+        pieces = v.detach().split(sizes)
+        tangents = [pieces[i].view_as(params[i]).to(g.dtype) for i, g in zip(live, jt_u)]
+        jv = torch.autograd.grad(jt_u, u, grad_outputs=tangents, retain_graph=True, allow_unused=True)[0]
+        if jv is None:  # Jᵀu does not depend on u: J = 0
+            return damping * v
+        pjv = p_old * jv  # J v, [N, T, V]
+        mjv = (pjv - p_old * pjv.sum(-1, keepdim=True)) * weight  # M J v
+        jt = torch.autograd.grad(logits, live_params, grad_outputs=mjv, retain_graph=True)
+        flat = v.new_zeros(dim)
+        for i, h in zip(live, jt):
+            flat[offsets[i]:offsets[i + 1]] = h.reshape(-1).to(v.dtype)
+        return flat + damping * v
 
     return product

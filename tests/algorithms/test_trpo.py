@@ -1,6 +1,7 @@
 """TRPO end to end on CPU: the accepted step stays inside the KL trust region, a rejected step changes nothing
-(bit for bit) while still counting as the rollout's global step, the Fisher is symmetric positive, and the GAE
-critic variant trains."""
+(bit for bit) while still counting as the rollout's global step, the Fisher is symmetric positive, the
+Gauss-Newton products (the default) take the double-backward products' step, and the GAE critic variant
+trains."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from lightning.pytorch import Callback
 
 from rl_lightning.algorithms.trpo import TRPO
 from rl_lightning.functional.trpo import categorical_kl
+from rl_lightning.rollout.generation import position_ids_from_mask
 from tests.conftest import RecordRollouts, tiny_datamodule, tiny_trainer
 
 
@@ -64,9 +66,10 @@ def test_accepted_step_stays_inside_the_trust_region_and_moves_the_weights(one_s
     assert abs(float(kl) - metrics["train/kl_after_step"]) < 1e-6  # the logged KL is the applied step's
 
 
-def test_fisher_vector_product_is_symmetric_positive(one_step):
+@pytest.mark.parametrize("method", ["gauss_newton", "double_backward"])
+def test_fisher_vector_product_is_symmetric_positive(one_step, method):
     module, _, keep = one_step
-    fvp = module.fisher_vector_product(keep.batches[0], damping=0.0)  # the bare Fisher: no damping
+    fvp = module.fisher_vector_product(keep.batches[0], damping=0.0, method=method)  # the bare Fisher: no damping
     dim = sum(p.numel() for p in module.trainable_parameters())
     gen = torch.Generator().manual_seed(0)
     u, v = torch.randn(dim, generator=gen), torch.randn(dim, generator=gen)
@@ -75,8 +78,124 @@ def test_fisher_vector_product_is_symmetric_positive(one_step):
     # symmetric: uᵀFv = vᵀFu (up to float32 rounding of the two double-backward passes)
     assert abs(float(u @ fv) - float(v @ fu)) <= 1e-3 * (abs(float(u @ fv)) + 1e-8)
     # damping adds exactly damping * v
-    torch.testing.assert_close(module.fisher_vector_product(keep.batches[0], damping=0.5)(v), fv + 0.5 * v,
-                               atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(module.fisher_vector_product(keep.batches[0], damping=0.5, method=method)(v),
+                               fv + 0.5 * v, atol=1e-5, rtol=1e-4)
+
+
+def test_fisher_logits_are_the_full_forwards_with_each_prompt_through_the_network_once(one_step):
+    module, _, keep = one_step
+    batch = keep.batches[0]  # 4 prompts x 4 responses
+    seen: list[tuple[int, int]] = []
+    hook = module.policy.register_forward_pre_hook(
+        lambda _, args, kwargs: seen.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    try:
+        shared = module.fisher_logits(batch)
+    finally:
+        hook.remove()
+    prompt, width = batch.prompt_length, batch.input_ids.shape[1] - batch.prompt_length
+    assert seen == [(4, prompt), (16, width - 1)]  # the 4 distinct prompts, then the response tokens but the last
+    with torch.no_grad():
+        full = module.policy(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                             position_ids=position_ids_from_mask(batch.attention_mask), logits_to_keep=width + 1,
+                             use_cache=False).logits[:, :-1]
+    assert shared.shape == full.shape and shared.requires_grad
+    # the same function of the weights: equal to float32 rounding of logits of size ~10
+    torch.testing.assert_close(shared.detach(), full, rtol=0, atol=2e-5)
+
+
+def test_gauss_newton_and_double_backward_products_agree(one_step):
+    # Two float32 evaluations of one matrix-vector product (tests/functional: equal to 1e-12 in float64); each
+    # carries float32 rounding of ~1e-7 relative per operation over a few hundred accumulated operations, measured
+    # 3e-7..2e-6 on configs/trpo.yaml's batch: 1e-5 relative (in norm) allows ~5x that.
+    module, _, keep = one_step
+    gauss = module.fisher_vector_product(keep.batches[0], damping=0.0, method="gauss_newton")
+    double = module.fisher_vector_product(keep.batches[0], damping=0.0, method="double_backward")
+    dim = sum(p.numel() for p in module.trainable_parameters())
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        v = torch.randn(dim, generator=gen, dtype=torch.float64)
+        fg, fd = gauss(v), double(v)
+        assert float((fg - fd).norm() / fd.norm()) < 1e-5
+        assert abs(float(v @ fg) - float(v @ fd)) <= 1e-5 * float(v @ fd)
+
+
+class _Plain:
+    """What ``update`` needs of Lightning's optimiser wrapper, around a plain SGD(lr=1)."""
+
+    def __init__(self, params) -> None:  # noqa: ANN001
+        self.optimizer = torch.optim.SGD(params, lr=1.0)
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+
+def _step_of(module: TRPO, batch, method: str, cg_iters: int, monkeypatch) -> tuple[torch.Tensor, dict]:  # noqa: ANN001
+    """The parameter change of one ``update`` from the current weights (restored afterwards) and its metrics."""
+    state = _params(module)
+    before = torch.nn.utils.parameters_to_vector(module.trainable_parameters()).detach().clone()
+    optimizer = _Plain(module.policy.parameters())
+    monkeypatch.setattr(module, "optimizers", lambda: optimizer)
+    monkeypatch.setattr(module, "fisher_product", method)
+    monkeypatch.setattr(module, "cg_iters", cg_iters)
+    advantages = module.compute_advantages(batch).detach().unsqueeze(-1)
+    stats = module.update(batch, advantages, module.loss_weights(batch))
+    step = torch.nn.utils.parameters_to_vector(module.trainable_parameters()).detach() - before
+    module.policy.load_state_dict(state)
+    return step, {k: float(v[0]) for k, v in stats.items()}
+
+
+@pytest.mark.parametrize("cg_iters", [1, 5])
+def test_both_fisher_products_take_the_same_step(one_step, monkeypatch, cg_iters):
+    # Same g (the same code), products equal to ~1e-6 relative (above), float64 CG: the direction, its scale (from
+    # CG's residual here, from an 11th product there) and the accepted step agree to that rounding times CG's
+    # amplification, measured <= 5e-6 up to 7 iterations on this batch: 1e-4 allows 20x. (Past ~7 iterations CG in
+    # float32 products amplifies rounding ~10x per iteration, for either path on its own too: see
+    # test_at_ten_cg_iterations_both_paths_differ_only_as_much_as_rounding_moves_either.)
+    module, _, keep = one_step
+    batch = keep.batches[0]
+    old, old_stats = _step_of(module, batch, "double_backward", cg_iters, monkeypatch)
+    new, new_stats = _step_of(module, batch, "gauss_newton", cg_iters, monkeypatch)
+    assert old_stats["train/step_accepted"] == new_stats["train/step_accepted"] == 1.0
+    assert old_stats["train/line_search_steps"] == new_stats["train/line_search_steps"]
+    assert float((new - old).norm() / old.norm()) < 1e-4
+    for key in ("train/kl_after_step", "train/expected_improvement", "train/surrogate_improvement"):
+        assert new_stats[key] == pytest.approx(old_stats[key], rel=1e-4)
+    assert new_stats["train/grad_norm"] == old_stats["train/grad_norm"]  # g is computed the same way, bit for bit
+
+
+def test_at_ten_cg_iterations_both_paths_differ_only_as_much_as_rounding_moves_either(one_step, monkeypatch):
+    # With cg_iters 10 the last CG iterations amplify float32 rounding of the products (~10x per iteration): the
+    # double-backward path against itself, its products perturbed by 1e-6 relative (the size of the two paths'
+    # product difference), moves about as far as the Gauss-Newton path is from it (measured 6.4e-3 and 9.6e-3;
+    # 1e-7, float32's epsilon, already moves it 1.7e-3). The yardstick is measured here, not assumed.
+    module, _, keep = one_step
+    batch = keep.batches[0]
+    old, old_stats = _step_of(module, batch, "double_backward", 10, monkeypatch)
+    new, new_stats = _step_of(module, batch, "gauss_newton", 10, monkeypatch)
+    import rl_lightning.algorithms.trpo as trpo
+
+    gen = torch.Generator().manual_seed(0)
+    exact = trpo.fisher_vector_product
+
+    def perturbed(kl, params, damping):  # noqa: ANN001
+        product = exact(kl, params, damping)
+
+        def noisy(v):  # noqa: ANN001
+            out = product(v)
+            return out * (1 + 1e-6 * torch.randn(out.shape, generator=gen, dtype=out.dtype))
+        return noisy
+
+    monkeypatch.setattr(trpo, "fisher_vector_product", perturbed)
+    jittered, _ = _step_of(module, batch, "double_backward", 10, monkeypatch)
+    rounding = float((jittered - old).norm() / old.norm())
+    difference = float((new - old).norm() / old.norm())
+    assert 0 < rounding < 0.05 and difference < 0.05
+    assert difference < 5 * rounding
+    assert old_stats["train/line_search_steps"] == new_stats["train/line_search_steps"]
+    assert new_stats["train/kl_after_step"] == pytest.approx(old_stats["train/kl_after_step"], rel=0.05)
 
 
 class _RecordTrials(TRPO):
@@ -158,6 +277,8 @@ def test_other_settings_are_validated():
         TRPO(model_name_or_path="embedded:random", backtrack_coeff=1.0)
     with pytest.raises(ValueError, match="num_minibatches"):
         TRPO(model_name_or_path="embedded:random", num_minibatches=2)
+    with pytest.raises(ValueError, match="fisher_product"):
+        TRPO(model_name_or_path="embedded:random", fisher_product="exact")
 
 
 def test_gae_estimator_fits_the_critic_and_counts_one_step_per_rollout(tmp_path, recorder):
@@ -182,3 +303,25 @@ def test_top_p_below_one_warns_that_the_trust_region_is_on_truncated_distributio
     with pytest.warns(UserWarning, match="top_p=0.9.*KL infinite"):
         tiny_trainer(tmp_path, max_steps=1).fit(TRPO(model_name_or_path="embedded:arithmetic"),
                                                 datamodule=tiny_datamodule(top_p=0.9))
+
+
+def test_fisher_logits_of_a_model_with_dropout_in_training_take_the_full_forward(one_step, monkeypatch):
+    # a shared prompt would draw one dropout mask for the whole group: with dropout active every row is forwarded
+    module, _, keep = one_step
+    batch = keep.batches[0]
+    monkeypatch.setattr(module.policy.config, "attention_dropout", 0.1)
+    seen: list[tuple[int, int]] = []
+    hook = module.policy.register_forward_pre_hook(
+        lambda _, args, kwargs: seen.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    training = module.policy.training
+    try:
+        module.policy.eval()
+        module.fisher_logits(batch)  # eval mode: dropout off, the prompts are shared
+        module.policy.train()
+        with torch.no_grad():
+            module.fisher_logits(batch)
+    finally:
+        hook.remove()
+        module.policy.train(training)
+    assert seen == [(4, batch.prompt_length), (16, batch.input_ids.shape[1] - batch.prompt_length - 1),
+                    tuple(batch.input_ids.shape)]
