@@ -55,9 +55,9 @@ def _config() -> dict:
     return yaml.safe_load((REPO_ROOT / "configs" / "grpo.yaml").read_text())
 
 
-def _module(config: dict) -> GRPO:
+def _module(config: dict, **overrides: object) -> GRPO:
     args = {k: v for k, v in config["model"]["init_args"].items() if k != "optimizer"}
-    module = GRPO(**args)
+    module = GRPO(**{**args, **overrides})
     module.manual_backward = lambda loss: loss.backward()  # type: ignore[method-assign]
     return module
 

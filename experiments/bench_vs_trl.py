@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 SIZES = {  # name: (hidden, layers, heads, ffn)
     "1.1M": (128, 4, 4, 512),
@@ -253,6 +254,26 @@ def run_ours(ckpt: Path, steps: int, warmup: int, device: str = "cpu") -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- report
+def run_worker(script: str, argv: list[str], what: str) -> dict:
+    """Run ``script --worker ...`` (``argv``) in a subprocess of its own and return the dict of its ``RESULT`` line;
+    exit naming ``what`` if it failed."""
+    proc = subprocess.run([sys.executable, script, *argv], capture_output=True, text=True,
+                          env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        sys.exit(f"{what} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def worker_report(run: Callable[[], dict]) -> None:
+    """In a worker subprocess: offline, quiet, run, print the one ``RESULT`` line ``run_worker`` reads."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    print("RESULT " + json.dumps(run()), flush=True)
+
+
 def summarise(runs: list[dict]) -> dict:
     times = [t for r in runs for t in r["step_times"]]
     toks = [t for r in runs for t in r["tokens"]]
@@ -275,12 +296,8 @@ def main() -> None:
     args = parser.parse_args()
 
     if args.worker:  # a subprocess: train, print one JSON line
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        import warnings
-
-        warnings.filterwarnings("ignore")
-        result = (run_trl if args.worker == "trl" else run_ours)(args.ckpt, args.steps, args.warmup, args.device)
-        print("RESULT " + json.dumps(result), flush=True)
+        run = run_trl if args.worker == "trl" else run_ours
+        worker_report(lambda: run(args.ckpt, args.steps, args.warmup, args.device))
         return
 
     import platform
@@ -302,15 +319,9 @@ def main() -> None:
             _, peak_before = step_flops(ckpt, PROMPTS_PER_STEP * GROUP * MAX_NEW, args.device)
             for _ in range(args.repeats):
                 for worker in ("trl", "ours"):
-                    proc = subprocess.run(
-                        [sys.executable, __file__, "--worker", worker, "--ckpt", str(ckpt), "--steps",
-                         str(args.steps), "--warmup", str(args.warmup), "--device", args.device],
-                        capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
-                    )
-                    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-                    if proc.returncode != 0 or not lines:
-                        sys.exit(f"{worker} run failed for {size}:\n{proc.stderr[-3000:]}")
-                    runs[worker].append(json.loads(lines[-1][len("RESULT "):]))
+                    runs[worker].append(run_worker(__file__, [
+                        "--worker", worker, "--ckpt", str(ckpt), "--steps", str(args.steps), "--warmup",
+                        str(args.warmup), "--device", args.device], f"{worker} run for {size}"))
                     print(f"  {size} {worker}: median {statistics.median(runs[worker][-1]['step_times']):.3f} s/step",
                           flush=True)
             tokens = statistics.median(t for r in runs["ours"] for t in r["tokens"])

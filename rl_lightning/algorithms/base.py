@@ -25,6 +25,12 @@ another order):
   are cut into micro-batches of ``micro_batch_size``, and every micro-batch is cut to the columns its rows use
   (``trim_padding``).
 
+A third one, in ``forward_policy``: the **shared prompt forward** (``share_prompt_forward``). Rows of a
+micro-batch whose prompts are identical (the ``G`` rows of a group, found from the token ids, so whatever
+split the micro-batch is) run their prompt once, with gradient: its keys/values are repeated to each row and
+the responses are scored on them (``shared_prompt_forward``), the same log-probs, entropies, hidden states and
+gradient as one forward of every row.
+
 ``trainer.global_step`` counts rollout batches: only the last optimiser step of a batch goes through
 Lightning's step counter, inner ones call the wrapped torch optimiser directly.
 """
@@ -46,7 +52,10 @@ from torchmetrics import MeanMetric
 from rl_lightning.functional import AggregationMode, aggregation_weights, sampling_logprobs
 from rl_lightning.models.policy import DType, load_policy
 from rl_lightning.rollout.batch import RolloutBatch
-from rl_lightning.rollout.generation import position_ids_from_mask
+from rl_lightning.rollout.generation import (
+    _cache_argument, _returned_cache, can_share_prompts, distinct_rows, expandable_cache, position_ids_from_mask,
+    unshareable,
+)
 
 
 @dataclass
@@ -97,6 +106,52 @@ def trim_padding(batch: RolloutBatch) -> RolloutBatch:
     cut = {name: getattr(batch, name)[:, :width] for name in _TOKEN_FIELDS if getattr(batch, name) is not None}
     return replace(batch, input_ids=batch.input_ids[:, left:p + width],
                    attention_mask=batch.attention_mask[:, left:p + width], prompt_length=p - left, **cut)
+
+
+def shared_prompt_forward(
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_length: int, with_hidden: bool = False,
+    min_tokens: int = 1,
+) -> tuple[Tensor, Tensor | None] | None:
+    """``(logits [n, T, V], final hidden states [n, T, H] or None)`` at the ``T`` positions ``P-1 .. P+T-2`` that
+    predict the response tokens, running the prompt once per distinct prompt; ``None`` where that cannot apply.
+
+    Rows whose first ``P - 1`` columns (ids and mask) are equal -- the ``G`` rows of a group, left-padded alike --
+    share them: one forward of the distinct prefixes, with gradient, fills a KV cache whose rows are repeated to
+    every row (``batch_select_indices``: an index, so the backward sums the rows' gradients into the shared keys and
+    values), then one forward of every row's columns ``P-1 .. P+T-2`` (the last prompt token and the response but
+    its last token) on that cache, with the full attention mask and position ids. A causal model computes exactly
+    what one forward of the whole rows computes at these positions (the prefix's keys/values do not depend on
+    what follows), so log-probs, entropies, hidden states and every gradient are the same up to the rounding of
+    matrix products of other shapes and of sums taken in another order.
+
+    ``None`` (the caller runs the plain forward) when sharing saves fewer than ``min_tokens`` prompt positions
+    (``(n - distinct prefixes) x (P - 1)``; none when no two rows share a prefix), when ``P < 2``, when
+    ``can_share_prompts`` says no (a model without a Hugging Face ``config``; dropout active in training mode,
+    which would draw one mask for a group's shared prompt instead of one per row; gradient checkpointing, which
+    keeps no cache), and for a model whose cache is not a plain ``DynamicCache`` (``expandable_cache``: sliding
+    windows, quantised or other caches; remembered, and said once).
+    """
+    p = prompt_length
+    if p < 2 or not can_share_prompts(model):
+        return None
+    shared = distinct_rows(torch.cat([input_ids[:, :p - 1], attention_mask[:, :p - 1]], dim=1))
+    if shared is None or (input_ids.shape[0] - shared[0].numel()) * (p - 1) < min_tokens:
+        return None
+    first, inverse = shared
+    positions = position_ids_from_mask(attention_mask)
+    prefix = model(input_ids=input_ids[first, :p - 1], attention_mask=attention_mask[first, :p - 1],
+                   position_ids=positions[first, :p - 1], use_cache=True, logits_to_keep=1)
+    cache = _returned_cache(prefix)
+    if not expandable_cache(cache):
+        unshareable(model, cache)
+        return None
+    del prefix
+    cache.batch_select_indices(inverse)  # [U, ...] -> [n, ...]
+    end = input_ids.shape[1] - 1  # the last token is never an input: it predicts nothing
+    out = model(input_ids=input_ids[:, p - 1:end], attention_mask=attention_mask[:, :end],
+                position_ids=positions[:, p - 1:end], use_cache=True, logits_to_keep=0,
+                output_hidden_states=with_hidden, **{_cache_argument(model): cache})
+    return out.logits, out.hidden_states[-1] if with_hidden else None
 
 
 @runtime_checkable
@@ -162,6 +217,12 @@ class RLModule(LightningModule):
             (when ``micro_batch_size`` splits it), and cut every micro-batch to the columns its rows use (the
             shared left padding of the prompts, the right padding after the longest response): less padding,
             the same gradient. ``False`` keeps the minibatch's row order and the batch's full width.
+        share_prompt_forward: in every forward of ``forward_policy``, run a prompt that several rows share (the
+            ``G`` rows of a group) once, with gradient, and score each row's response on its keys/values
+            (``shared_prompt_forward``): the same log-probs and gradient. It applies to the rows of a forward that
+            have identical prompt ids (checked on the data; episodes whose first observation differs do not
+            share) and switches itself off where it cannot be exact (dropout in training mode, gradient
+            checkpointing, a cache other than a plain ``DynamicCache``). ``False`` forwards every row whole.
     """
 
     def __init__(
@@ -179,9 +240,11 @@ class RLModule(LightningModule):
         seed: int = 0,
         skip_inert_rows: bool = True,
         length_bucketing: bool = True,
+        share_prompt_forward: bool = True,
     ) -> None:
         super().__init__()
-        for name, flag in (("skip_inert_rows", skip_inert_rows), ("length_bucketing", length_bucketing)):
+        for name, flag in (("skip_inert_rows", skip_inert_rows), ("length_bucketing", length_bucketing),
+                           ("share_prompt_forward", share_prompt_forward)):
             if not isinstance(flag, bool):
                 raise ValueError(f"{type(self).__name__}: {name} must be true or false, got {flag!r}")
         for name, value in (("num_iterations", num_iterations), ("num_minibatches", num_minibatches),
@@ -204,6 +267,7 @@ class RLModule(LightningModule):
         self.seed = seed
         self.skip_inert_rows = skip_inert_rows
         self.length_bucketing = length_bucketing
+        self.share_prompt_forward = share_prompt_forward
         self.policy, self.tokenizer = load_policy(model_name_or_path, dtype)
         self.policy.train()  # from_pretrained returns eval mode; Lightning toggles modes from here on
         self.automatic_optimization = False
@@ -252,6 +316,11 @@ class RLModule(LightningModule):
     summed_metrics: frozenset[str] = frozenset({
         "train/policy_loss", "train/value_loss", "train/kl_loss", "train/entropy_bonus",
     })
+    #: a forward shares its prompts (``share_prompt_forward``) only when that saves at least this many prompt
+    #: positions: below, the second forward call costs more than it saves (on a 2-core CPU with the 1.1M embedded
+    #: model the break-even is ~50-80 positions, e.g. one group of 8 with a 7-token prompt saves 42; a larger
+    #: model breaks even sooner). Also what ``length_bucketing`` counts when it keeps a group's rows together.
+    share_prompt_min_tokens: int = 64
     # per-instance state set by the hooks below (class defaults, so ``__init__`` stays the methods' own)
     _step_learning_rates: dict[str, Tensor] | None = None  # noted at on_train_batch_start for the step's log
     _heldout_batch: RolloutBatch | None = None  # the first batch of the running validation, for observers
@@ -338,27 +407,31 @@ class RLModule(LightningModule):
 
         Tokens are scored under the sampler's exact distribution (its temperature and top-p), so on-policy the
         log-probs equal ``batch.sampler_logprobs``. Only the ``T + 1`` positions that predict response tokens
-        are projected to the vocabulary.
+        are projected to the vocabulary. With ``share_prompt_forward``, rows with identical prompts run them once
+        (``shared_prompt_forward``; the same outputs and gradient).
         """
         model = self.policy if model is None else model
         width = batch.input_ids.shape[1] - batch.prompt_length  # T
-        out = model(
-            input_ids=batch.input_ids,
-            attention_mask=batch.attention_mask,
-            position_ids=position_ids_from_mask(batch.attention_mask),
-            logits_to_keep=width + 1,
-            use_cache=False,
-            output_hidden_states=with_hidden,
-        )
-        logits = out.logits[:, :-1]  # [N, T, V]: position P-1+t predicts response token t
+        shared = shared_prompt_forward(model, batch.input_ids, batch.attention_mask, batch.prompt_length,
+                                       with_hidden, self.share_prompt_min_tokens) if self.share_prompt_forward else None
+        if shared is not None:
+            logits, hidden = shared
+        else:
+            out = model(
+                input_ids=batch.input_ids,
+                attention_mask=batch.attention_mask,
+                position_ids=position_ids_from_mask(batch.attention_mask),
+                logits_to_keep=width + 1,
+                use_cache=False,
+                output_hidden_states=with_hidden,
+            )
+            logits = out.logits[:, :-1]  # [N, T, V]: position P-1+t predicts response token t
+            start = batch.prompt_length - 1
+            hidden = out.hidden_states[-1][:, start:start + width] if with_hidden else None  # [N, T, H]
         logprobs, entropy = sampling_logprobs(
             logits, batch.response_ids, batch.temperature, batch.top_p, self.logprob_chunk_size, with_entropy
         )
         mask = batch.loss_mask.to(logprobs.dtype)
-        hidden = None
-        if with_hidden:
-            start = batch.prompt_length - 1
-            hidden = out.hidden_states[-1][:, start:start + width]  # [N, T, H]
         return PolicyOutput(logprobs * mask, None if entropy is None else entropy * mask, hidden)
 
     def score_sequences(
@@ -447,15 +520,57 @@ class RLModule(LightningModule):
         order = torch.randperm(num_rows, generator=gen).to(self.device)
         return list(order.chunk(self.num_minibatches))
 
-    def _micro_batches(self, rows: Tensor, extent: Tensor) -> list[Tensor]:
+    def _micro_batches(self, rows: Tensor, extent: Tensor, prompt: Tensor | None = None,
+                       blocks: Tensor | None = None) -> list[Tensor]:
         """``rows`` cut into micro-batches; with ``length_bucketing``, longest responses first (a stable sort, so
-        rows of equal length keep their order), so each micro-batch holds rows of similar length."""
+        rows of equal length keep their order), so each micro-batch holds rows of similar length.
+
+        ``blocks`` (``[N]``, with ``share_prompt_forward``) numbers the rows' distinct prompts: then the order that
+        keeps each prompt's rows together (prompts by their longest response, longest first) is taken instead when
+        it costs fewer token positions (``_forward_positions``: what sharing saves against the padding it adds).
+        """
         if rows.numel() == 0:
             return []
         size = self.micro_batch_size or rows.numel()
-        if self.length_bucketing and size < rows.numel():
-            rows = rows[torch.sort(extent[rows], descending=True, stable=True).indices]
-        return list(rows.split(size))
+        if not self.length_bucketing or size >= rows.numel():
+            return list(rows.split(size))
+        by_length = rows[torch.sort(extent[rows], descending=True, stable=True).indices]
+        plan = list(by_length.split(size))
+        if blocks is None or prompt is None or size == 1:
+            return plan
+        block = blocks[by_length]
+        longest = torch.zeros(int(blocks.max()) + 1, dtype=extent.dtype, device=extent.device)
+        longest = longest.scatter_reduce(0, block, extent[by_length], "amax")
+        grouped = by_length[torch.sort(block, stable=True).indices]  # a prompt's rows together, longest first
+        grouped = grouped[torch.sort(longest[blocks[grouped]], descending=True, stable=True).indices]
+        other = list(grouped.split(size))
+        cost = self._forward_positions(extent, prompt, blocks)
+        return other if cost(other) < cost(plan) else plan
+
+    def _forward_positions(self, extent: Tensor, prompt: Tensor, blocks: Tensor):  # noqa: ANN202
+        """``micro-batches -> token positions forwarded``: per micro-batch (cut by ``trim_padding``) its rows x (the
+        longest prompt + the longest response), less what ``shared_prompt_forward`` saves where it applies."""
+        extent_, prompt_, blocks_ = extent.tolist(), prompt.tolist(), blocks.tolist()
+
+        def cost(micros: list[Tensor]) -> int:
+            total = 0
+            for micro in micros:
+                rows = micro.tolist()
+                p = max(max(prompt_[r] for r in rows), 1)
+                total += len(rows) * (p + max(max(extent_[r] for r in rows), 1))
+                saved = (len(rows) - len({blocks_[r] for r in rows})) * (p - 1)
+                total -= saved if saved >= self.share_prompt_min_tokens else 0
+            return total
+        return cost
+
+    def _prompt_blocks(self, batch: RolloutBatch) -> Tensor | None:
+        """``[N]`` the index of each row's distinct prompt (all but the last column, ids and mask) when
+        ``share_prompt_forward`` can apply and some rows share one; else ``None``."""
+        p = batch.prompt_length
+        if not self.share_prompt_forward or p < 2 or not can_share_prompts(self.policy):
+            return None
+        shared = distinct_rows(torch.cat([batch.input_ids[:, :p - 1], batch.attention_mask[:, :p - 1]], dim=1))
+        return None if shared is None else shared[1]
 
     def _skipped_rows(self, batch: RolloutBatch, advantages: Tensor, terms: list[LossTerm]) -> Tensor | None:
         """``[N]`` bool, the rows ``update`` does not forward; ``None`` when skipping cannot apply (the same
@@ -488,11 +603,15 @@ class RLModule(LightningModule):
         response = batch.attention_mask[:, batch.prompt_length:].bool() | batch.loss_mask.bool()
         columns = torch.arange(1, response.shape[1] + 1, device=response.device)
         extent = (response * columns).amax(dim=1) if response.shape[1] else columns.new_zeros(batch.num_rows)
+        prompt = batch.attention_mask[:, :batch.prompt_length].sum(dim=1)
+        blocks = self._prompt_blocks(batch) if self.length_bucketing and self.micro_batch_size else None
         steps: list[tuple[int, int, Tensor, list[Tensor]]] = []
         for iteration in range(self.num_iterations):
             for index, rows in enumerate(self._minibatches(batch.num_rows, iteration)):
                 live = rows if skipped is None else rows[~skipped.to(rows.device)[rows]]
-                steps.append((iteration, index, rows, self._micro_batches(live, extent.to(rows.device))))
+                device = rows.device
+                steps.append((iteration, index, rows, self._micro_batches(
+                    live, extent.to(device), prompt.to(device), None if blocks is None else blocks.to(device))))
         if skipped is None:
             return [(iteration, index, micros) for iteration, index, _, micros in steps]
         need = torch.tensor([len(micros) for *_, micros in steps], device=self.device)

@@ -33,10 +33,9 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.utils import parameters_to_vector
-from transformers.cache_utils import DynamicCache
 from typing_extensions import override
 
-from rl_lightning.algorithms.base import NonFiniteLossError, PolicyOutput, RLModule
+from rl_lightning.algorithms.base import NonFiniteLossError, PolicyOutput, RLModule, shared_prompt_forward
 from rl_lightning.functional import (
     clipped_value_loss,
     explained_variance,
@@ -55,39 +54,10 @@ from rl_lightning.functional.trpo import (
 )
 from rl_lightning.models.value import CriticMode, build_critic
 from rl_lightning.rollout.batch import RolloutBatch
-from rl_lightning.rollout.generation import _cache_argument, _returned_cache, position_ids_from_mask
-
-try:  # transformers >= 4.5x: a cache is a list of layers
-    from transformers.cache_utils import DynamicLayer
-except ImportError:  # pragma: no cover - older transformers
-    DynamicLayer = None
+from rl_lightning.rollout.generation import position_ids_from_mask
 
 AdvantageEstimator = Literal["group", "gae"]
 FisherProduct = Literal["gauss_newton", "double_backward"]
-
-
-def _shareable(model: nn.Module) -> bool:
-    """Whether identical prompt rows may share one forward of ``model``: a Hugging Face model (a ``config``) whose
-    forward is deterministic (no dropout active in training mode: a group's shared prompt would get one mask
-    instead of one per row) and keeps a cache (no gradient checkpointing)."""
-    config = getattr(model, "config", None)
-    checkpointing = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") \
-        else "is_gradient_checkpointing"  # transformers >= 5.2x renamed it
-    if config is None or getattr(model, checkpointing, False):
-        return False
-    if model.training and (float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0 or any(
-            isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules())):
-        return False
-    return True
-
-
-def _repeatable_cache(cache: object) -> bool:
-    """Whether ``cache`` is a plain ``DynamicCache`` (every layer holds the whole history: no sliding window,
-    quantisation or offloading), whose rows ``batch_select_indices`` can repeat exactly and differentiably."""
-    if type(cache) is not DynamicCache or not callable(getattr(cache, "batch_select_indices", None)):
-        return False
-    layers = getattr(cache, "layers", None)
-    return layers is None or (DynamicLayer is not None and all(type(layer) is DynamicLayer for layer in layers))
 
 
 class TRPO(RLModule):
@@ -278,40 +248,21 @@ class TRPO(RLModule):
     def fisher_logits(self, batch: RolloutBatch) -> Tensor:
         """``[N, T, V]`` float32 raw logits of the positions that predict the response tokens, carrying the graph:
         those of ``vocab_logprobs``'s forward (the same function of the weights, equal to rounding), with each
-        distinct prompt through the network once.
+        distinct prompt through the network once (``base.shared_prompt_forward``, whatever the module's
+        ``share_prompt_forward``: every position saved here is saved in each of the conjugate gradient's products).
 
-        A causal LM's prompt positions do not depend on the response, and the ``G`` rows of a group share their
-        (left-padded) prompt: one forward of the ``U`` distinct prompts (ids and attention mask) fills a KV
-        cache and gives the logits of position ``P - 1``; the cache's rows are repeated to the batch's and one
-        forward of the response tokens but the last (whose logit predicts nothing) gives the rest. On
-        ``configs/trpo.yaml`` (16 prompts x 8, 7 prompt + 4 response positions) that is 496 positions through
-        the network instead of 1408. Without repeated prompts, for a model with dropout active or gradient
-        checkpointing (``_shareable``), or if its cache is not a plain ``DynamicCache`` (``_repeatable_cache``),
-        it is ``vocab_logprobs``'s forward. SDPA runs on the math
-        backend, as there (the products need a backward of a backward).
+        On ``configs/trpo.yaml`` (16 prompts x 8, 7 prompt + 4 response positions) that is 496 positions through
+        the network instead of 1408. Where sharing cannot apply (no repeated prompts, dropout active, gradient
+        checkpointing, a cache other than a plain ``DynamicCache``) it is ``vocab_logprobs``'s forward. SDPA runs
+        on the math backend, as there (the products need a backward of a backward).
         """
-        prompt, width = batch.prompt_length, batch.input_ids.shape[1] - batch.prompt_length  # P, T
-        attention = batch.attention_mask.long()
-        positions = position_ids_from_mask(attention)
+        width = batch.input_ids.shape[1] - batch.prompt_length  # T
         with sdpa_kernel(SDPBackend.MATH):
-            if prompt > 0 and width > 0 and _shareable(self.policy):
-                keys = torch.cat([batch.input_ids[:, :prompt], attention[:, :prompt]], dim=1)
-                unique, inverse = torch.unique(keys, dim=0, return_inverse=True)
-                if unique.shape[0] < batch.num_rows:
-                    out = self.policy(input_ids=unique[:, :prompt], attention_mask=unique[:, prompt:],
-                                      position_ids=position_ids_from_mask(unique[:, prompt:]), logits_to_keep=1,
-                                      use_cache=True)
-                    cache = _returned_cache(out)
-                    if _repeatable_cache(cache):
-                        first = out.logits[inverse]  # [N, 1, V]: position P-1 predicts response token 0
-                        if width == 1:
-                            return first.float()
-                        cache.batch_select_indices(inverse)  # [U, ...] -> [N, ...], differentiable indexing
-                        rest = self.policy(input_ids=batch.input_ids[:, prompt:-1], attention_mask=attention[:, :-1],
-                                           position_ids=positions[:, prompt:-1], use_cache=True,
-                                           **{_cache_argument(self.policy): cache}).logits  # [N, T-1, V]
-                        return torch.cat([first, rest], dim=1).float()
-            out = self.policy(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=positions,
+            shared = shared_prompt_forward(self.policy, batch.input_ids, batch.attention_mask, batch.prompt_length)
+            if shared is not None:
+                return shared[0].float()
+            out = self.policy(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                              position_ids=position_ids_from_mask(batch.attention_mask.long()),
                               logits_to_keep=width + 1, use_cache=False)
         return out.logits[:, :-1].float()
 

@@ -50,20 +50,25 @@ class KVCacheEngine(RolloutEngine):
             every EOS; lower values copy the cache less often).
         static_cache: decode Llama / Qwen2 / Mistral models with ``StaticDecoder`` (a pre-allocated KV cache
             and no per-step Hugging Face machinery; same arithmetic); other models always use their forward.
+        share_prefill: prefill identical prompts (a group's ``G`` rows) once and repeat their KV cache to every
+            row (``generation.prefill``); the tokens drawn are the same either way.
     """
 
     def __init__(self, drop_finished: bool = True, compact_below: float = DEFAULT_COMPACT_BELOW,
-                 static_cache: bool = True) -> None:
+                 static_cache: bool = True, share_prefill: bool = True) -> None:
+        if not isinstance(share_prefill, bool):
+            raise ValueError(f"KVCacheEngine: share_prefill must be true or false, got {share_prefill!r}")
         self.drop_finished = drop_finished
         self.compact_below = check_compact_below(compact_below, "KVCacheEngine")
         self.static_cache = static_cache
+        self.share_prefill = share_prefill
 
     def generate(self, model, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id,  # noqa: ANN001
                  temperature=1.0, top_p=1.0, greedy=False, generator=None, **extras) -> Generation:
         return sample(model, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id,
                       temperature=temperature, top_p=top_p, greedy=greedy, generator=generator,
                       drop_finished=self.drop_finished, compact_below=self.compact_below,
-                      static_cache=self.static_cache, **extras)
+                      static_cache=self.static_cache, share_prefill=self.share_prefill, **extras)
 
 
 class HFGenerateEngine(RolloutEngine):

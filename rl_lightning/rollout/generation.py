@@ -3,18 +3,30 @@
 One prompt forward fills the cache; each further step feeds one token per running row. Rows stop at EOS
 (later positions are padding with ``loss_mask = 0``); finished rows leave the forward batch (the cache is cut
 to the running rows) once enough of them have stopped, and the loop ends when every row has stopped.
+
+Identical prompt rows (the ``G`` rows of a group) are prefilled once (``share_prefill``): the forward runs on the
+distinct prompts and its cache and last logits are repeated to every row that has that prompt (``distinct_rows``,
+``expandable_cache``), so the decode that follows, and its random stream, are those of a full prefill.
 """
 
 from __future__ import annotations
 
 import inspect
+import weakref
 from dataclasses import dataclass
 
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
 from rl_lightning.functional.logprobs import sampling_logits
 from rl_lightning.rollout.static_decode import StaticDecoder, supports
+
+try:  # recent transformers: a cache is a list of layers; a plain DynamicLayer holds [B, kv, S, D] keys/values
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+except ImportError:  # pragma: no cover - older transformers
+    from transformers.cache_utils import DynamicCache
+    DynamicLayer = None
 
 
 @dataclass
@@ -64,9 +76,99 @@ def _returned_cache(out: object) -> object:
     return cache if cache is not None else getattr(out, "past_key_values", None)
 
 
+def expandable_cache(cache: object) -> bool:
+    """Whether ``cache`` is a plain ``DynamicCache`` (every layer the whole history, no sliding window, no
+    quantisation or offloading), whose rows ``batch_select_indices`` may repeat: the repeated rows then hold exactly
+    what a forward of the repeated inputs would have put there (indexing is differentiable, too)."""
+    if type(cache) is not DynamicCache or not callable(getattr(cache, "batch_select_indices", None)):
+        return False
+    layers = getattr(cache, "layers", None)
+    return layers is None or (DynamicLayer is not None and all(type(layer) is DynamicLayer for layer in layers))
+
+
+#: models whose forward returned a KV cache that cannot be shared between rows (said once, then not tried again)
+_UNSHAREABLE: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def unshareable(model: nn.Module, cache: object) -> None:
+    """Remember that ``model``'s ``cache`` cannot be shared between rows, and say so once."""
+    if model not in _UNSHAREABLE:
+        _UNSHAREABLE.add(model)
+        rank_zero_info(f"shared prompt forward: {type(model).__name__} returns a {type(cache).__name__} cache, which "
+                       f"cannot be shared between rows; its prompts are forwarded once per row")
+
+
+def stochastic_forward(model: nn.Module) -> bool:
+    """Whether ``model``'s forward may differ between two identical rows: dropout active in training mode (a
+    ``Dropout`` module with ``p > 0``, or a config ``attention_dropout > 0`` as Llama's functional dropout)."""
+    if not model.training:
+        return False
+    if float(getattr(getattr(model, "config", None), "attention_dropout", 0.0) or 0.0) > 0:
+        return True
+    return any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules())
+
+
+def can_share_prompts(model: nn.Module) -> bool:
+    """Whether identical prompt rows may share one forward of ``model`` (``prefill``,
+    ``algorithms.base.shared_prompt_forward``): a Hugging Face model (it has a ``config``) whose cache has not been
+    found unshareable, whose forward is deterministic (``stochastic_forward``) and keeps a cache (no gradient
+    checkpointing)."""
+    if getattr(model, "config", None) is None or model in _UNSHAREABLE or stochastic_forward(model):
+        return False
+    name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") \
+        else "is_gradient_checkpointing"
+    return not getattr(model, name, False)
+
+
+def distinct_rows(key: Tensor) -> tuple[Tensor, Tensor] | None:
+    """``(first, inverse)`` for the rows of ``key`` ``[N, K]`` when some are equal, else ``None``.
+
+    ``first`` ``[U]`` is the first row of each distinct value, in order of appearance, and ``inverse`` ``[N]`` the
+    index into ``first`` of every row: ``key[first][inverse] == key``. For ``U`` groups of ``G`` contiguous equal
+    rows, ``first = [0, G, 2G, ...]`` and ``inverse = arange(N) // G``.
+    """
+    n = key.shape[0]
+    if n < 2:
+        return None
+    values, inverse = torch.unique(key, dim=0, return_inverse=True)
+    count = values.shape[0]
+    if count == n:
+        return None
+    rows = torch.arange(n, device=key.device)
+    first = torch.full((count,), n, dtype=torch.long, device=key.device).scatter_reduce(0, inverse, rows, "amin")
+    order = torch.argsort(first)  # distinct values in order of first appearance
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(count, device=key.device)
+    return first[order], rank[inverse]
+
+
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     """Positions that skip left padding: ``cumsum(mask) - 1``, clamped at 0 on the padding itself."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def prefill(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, positions: Tensor, share: bool = True
+            ) -> tuple[object, Tensor]:
+    """``(cache, next-token logits [N, V])`` of one prompt forward over a left-padded batch.
+
+    With ``share``, when some rows are identical (ids and mask: the ``G`` rows of a group), the forward runs on the
+    distinct rows only and its cache (``expandable_cache``) and logits are repeated to every row; a model that
+    cannot share (``can_share_prompts``) or whose cache cannot be repeated exactly gets the forward of every row.
+    """
+    shared = distinct_rows(torch.cat([input_ids, attention_mask], dim=1)) \
+        if share and can_share_prompts(model) else None
+    if shared is not None:
+        first, inverse = shared
+        out = model(input_ids=input_ids[first], attention_mask=attention_mask[first], position_ids=positions[first],
+                    use_cache=True, logits_to_keep=1)
+        cache = _returned_cache(out)
+        if expandable_cache(cache):
+            cache.batch_select_indices(inverse)
+            return cache, out.logits[:, -1][inverse]
+        unshareable(model, cache)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True,
+                logits_to_keep=1)
+    return _returned_cache(out), out.logits[:, -1]
 
 
 @torch.no_grad()
@@ -87,6 +189,7 @@ def sample(
     topk: int = 0,
     aux_draws: int = 0,
     aux_generator: torch.Generator | None = None,
+    share_prefill: bool = True,
 ) -> Generation:
     """Generate up to ``max_new_tokens`` tokens per row of a left-padded prompt batch.
 
@@ -106,23 +209,24 @@ def sample(
 
     On request it also records, per generated position, the ``topk`` most likely ids with their log-probs and
     ``aux_draws`` independent draws (``sampler_extras``; 0 on padding positions).
+
+    With ``share_prefill``, rows with identical prompts (ids and mask) are prefilled once (``prefill``); the
+    decode, and every draw, is the same as after a prefill of every row (the logits agree to float rounding).
     """
     check_compact_below(compact_below)
     batch = input_ids.shape[0]
     device = input_ids.device
     attention_mask = attention_mask.long()
     positions = position_ids_from_mask(attention_mask)
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True,
-                logits_to_keep=1)
+    cache, logits = prefill(model, input_ids, attention_mask, positions, share_prefill)
     cache_kw = _cache_argument(model)
-    cache, logits = _returned_cache(out), out.logits[:, -1]
     if not bool(torch.isfinite(logits).all()):
         raise FloatingPointError("sample: the model's next-token logits for the prompts are not finite (NaN/inf): "
                                  "its weights or activations have diverged")
     decoder = None
     if static_cache and cache is not None and supports(model):
         decoder = StaticDecoder.from_prefill(model, cache, attention_mask, max_new_tokens)
-        cache = out = None  # the prompt's keys/values now live in the decoder's cache
+        cache = None  # the prompt's keys/values now live in the decoder's cache
     can_drop = drop_finished and (decoder is not None or callable(getattr(cache, "batch_select_indices", None)))
     rows = torch.arange(batch, device=device)  # original row of each row of the forward batch
     next_pos = positions[:, -1:] + 1

@@ -161,7 +161,9 @@ def test_two_successes_give_the_mean_of_their_two_nll_sums(episodes):
     rewards = [1.0, 0.0, 1.0, 0.0] + [0.0] * 12  # S = {rows 0, 2} for the first prompt, no success elsewhere
     batch = with_rewards(episodes, rewards)
     eta = 0.5
-    cope, grpo = make(forecast_coef=eta), make(GRPO)
+    # one forward per loss term (no shared prompt forward, whose prefix and response parts are two gradient
+    # contributions of their own): the bound below counts a single addition between g_GRPO and g_ref
+    cope, grpo = make(forecast_coef=eta, share_prompt_forward=False), make(GRPO, share_prompt_forward=False)
     assert episodes.num_turns[0] >= 2 and episodes.num_turns[2] >= 2  # chunks of 2 actions really occur
     (g_cope,) = gradients(cope, batch, [torch.arange(16)])
     (g_grpo,) = gradients(grpo, batch, [torch.arange(16)])
@@ -188,8 +190,11 @@ def test_two_successes_give_the_mean_of_their_two_nll_sums(episodes):
 @pytest.mark.parametrize("num_minibatches", [1, 2])
 def test_the_gradient_does_not_depend_on_the_split(episodes, num_minibatches):
     batch = with_rewards(episodes, [1, 0, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 1, 1, 0])
-    (reference,) = gradients(make(forecast_coef=0.1), batch, [torch.arange(16)])  # one step, whole batch
-    module = make(forecast_coef=0.1, num_minibatches=num_minibatches)
+    # the per-entry bound sums per-row gradients: every row forwarded on its own (a shared prompt forward sums a
+    # group's rows inside the backward, whose rounding is bounded relative to max|grad|: test_shared_prefix)
+    plain = {"share_prompt_forward": False}
+    (reference,) = gradients(make(forecast_coef=0.1, **plain), batch, [torch.arange(16)])  # one step, whole batch
+    module = make(forecast_coef=0.1, num_minibatches=num_minibatches, **plain)
     rows = torch.randperm(16, generator=torch.Generator().manual_seed(3))
     halves = list(rows.chunk(num_minibatches))  # each is one optimiser step, at full-batch scale
     singles = gradients(module, batch, [r.reshape(1) for r in rows])  # micro_batch_size = 1
@@ -202,7 +207,7 @@ def test_the_gradient_does_not_depend_on_the_split(episodes, num_minibatches):
     bound = rounding_bound(module, per_row_abs, module.policy.config.max_position_embeddings, terms=16)
     for name, gradient in splits.items():
         assert (gradient - reference).abs().le(bound).all(), name
-    (grpo,) = gradients(make(GRPO), batch, [torch.arange(16)])
+    (grpo,) = gradients(make(GRPO, **plain), batch, [torch.arange(16)])
     forecast_part = reference - grpo
     assert forecast_part.abs().max() > 100 * bound.max()  # a missing 1/2 (or x 2) on the AF part would show
 

@@ -93,7 +93,8 @@ def test_fisher_logits_are_the_full_forwards_with_each_prompt_through_the_networ
     finally:
         hook.remove()
     prompt, width = batch.prompt_length, batch.input_ids.shape[1] - batch.prompt_length
-    assert seen == [(4, prompt), (16, width - 1)]  # the 4 distinct prompts, then the response tokens but the last
+    # the 4 distinct prompts but their last token, then each row's last prompt token and response but its last
+    assert seen == [(4, prompt - 1), (16, width)]
     with torch.no_grad():
         full = module.policy(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                              position_ids=position_ids_from_mask(batch.attention_mask), logits_to_keep=width + 1,
@@ -323,5 +324,5 @@ def test_fisher_logits_of_a_model_with_dropout_in_training_take_the_full_forward
     finally:
         hook.remove()
         module.policy.train(training)
-    assert seen == [(4, batch.prompt_length), (16, batch.input_ids.shape[1] - batch.prompt_length - 1),
+    assert seen == [(4, batch.prompt_length - 1), (16, batch.input_ids.shape[1] - batch.prompt_length),
                     tuple(batch.input_ids.shape)]

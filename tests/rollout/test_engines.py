@@ -80,8 +80,9 @@ def test_dropping_finished_rows_changes_no_token(name, temperature, compact_belo
         model, ids, mask, generator=torch.Generator().manual_seed(5), **kwargs)
     lengths = full.mask.sum(1)
     assert lengths.min() < lengths.max()  # rows really finish at different steps
-    assert min(sizes) < ids.shape[0]  # and some forwards really ran on fewer rows
-    assert sizes == sorted(sizes, reverse=True)  # the forward batch only ever shrinks
+    assert sizes[0] == 6  # the prompt forward: each distinct prompt once (share_prefill)
+    assert min(sizes[1:]) < ids.shape[0]  # and some decode forwards really ran on fewer rows
+    assert sizes[1:] == sorted(sizes[1:], reverse=True)  # the forward batch only ever shrinks
     assert torch.equal(lean.response_ids, full.response_ids)
     assert torch.equal(lean.mask, full.mask)
     assert torch.equal(lean.truncated, full.truncated)
@@ -102,7 +103,7 @@ def test_forward_batch_shrinks_to_the_running_rows(policy, static_cache):
         handle.remove()
     ended = (gen.response_ids == tok.eos_token_id).long().cumsum(1) > 0  # [N, T]: EOS at or before step t
     running_after = (~ended).sum(0).tolist()  # rows still running after drawing token t
-    assert sizes[0] == ids.shape[0]  # the prompt forward
+    assert sizes[0] == 4  # the prompt forward: each distinct prompt once (share_prefill)
     assert sizes[1:] == running_after[:len(sizes) - 1]
     assert sizes[-1] < ids.shape[0]
 
@@ -116,7 +117,7 @@ def test_compact_below_zero_never_cuts_and_bad_values_are_refused(policy):
                                                   pad_token_id=tok.pad_token_id)
     finally:
         handle.remove()
-    assert set(sizes) == {ids.shape[0]}
+    assert sizes[0] == 2 and set(sizes[1:]) == {ids.shape[0]}  # the prompt forward: each distinct prompt once
     with pytest.raises(ValueError, match="compact_below"):
         KVCacheEngine(compact_below=1.5)
 
