@@ -34,6 +34,9 @@ if [ -n "$task" ]; then
   task_args=(--config "$task")
   command="TASK=$task $command"
 fi
+for var in NOTES HELDOUT PLOT SECTION; do  # the command that rewrites this very section, as it was run
+  if [ -n "${!var:-}" ]; then command="$var=\"${!var}\" $command"; fi
+done
 # A run counts as done when its directory's config has the seed and its last.ckpt reached the config's max_steps;
 # done runs are skipped, so the script resumes where it stopped (an interrupted run is started again).
 done_run() {  # done_run NAME SEED -> prints the finished run directory, if any
