@@ -107,12 +107,17 @@ def make_batch(
         target = [*tokenizer(prompt.answer, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
         rows.append(prefix + target)
         label_rows.append([-100] * len(prefix) + target)
+    return padded_batch(rows, label_rows, tokenizer.pad_token_id)
+
+
+def padded_batch(rows: list[list[int]], label_rows: list[list[int]], pad: int) -> dict[str, torch.Tensor]:
+    """Right-padded ``input_ids`` / ``attention_mask`` / ``labels`` (-100 on padding) of token-id rows."""
     width = max(len(r) for r in rows)
-    pad = tokenizer.pad_token_id
-    input_ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
-    labels = torch.tensor([r + [-100] * (width - len(r)) for r in label_rows])
-    attention_mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+    return {
+        "input_ids": torch.tensor([r + [pad] * (width - len(r)) for r in rows]),
+        "attention_mask": torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows]),
+        "labels": torch.tensor([r + [-100] * (width - len(r)) for r in label_rows]),
+    }
 
 
 @torch.no_grad()

@@ -62,7 +62,6 @@ import random
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 for path in (REPO_ROOT, REPO_ROOT / "experiments"):
@@ -75,7 +74,9 @@ import transformers  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel  # noqa: E402
 from transformers import PreTrainedTokenizerBase  # noqa: E402
-from warm_start_guess import episode_ids, greedy_success, sampled_success  # noqa: E402
+from warm_start import padded_batch  # noqa: E402
+from warm_start_guess import episode_datamodule, episode_ids, greedy_success, sampled_success  # noqa: E402
+from warm_start_guess import validate_with_library as validate_episodes  # noqa: E402
 
 from rl_lightning.envs.calculator import CalculatorTask  # noqa: E402
 from rl_lightning.models.policy import build_tiny_policy  # noqa: E402
@@ -150,27 +151,15 @@ def make_batch(task: CalculatorTask, tokenizer: PreTrainedTokenizerBase, step: i
             raise SystemExit(f"an episode of {len(ids)} tokens does not fit in {MAX_POSITIONS} positions")
         rows.append(ids)
         label_rows.append(labels)
-    width = max(len(r) for r in rows)
-    pad = tokenizer.pad_token_id
-    return {
-        "input_ids": torch.tensor([r + [pad] * (width - len(r)) for r in rows]),
-        "attention_mask": torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows]),
-        "labels": torch.tensor([r + [-100] * (width - len(r)) for r in label_rows]),
-    }
+    return padded_batch(rows, label_rows, tokenizer.pad_token_id)
 
 
 # ---------------------------------------------------------------------------------------------- evaluation
 def make_datamodule(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, seed: int = 0) -> RolloutDataModule:
     """The data module of ``configs/tasks/calculator.yaml`` (with the method configs' 16 prompts x 8), attached to
     ``model`` through a stand-in trainer so its rollouts can be called directly."""
-    dm = RolloutDataModule(
-        task=CalculatorTask(), prompts_per_step=16, group_size=8, max_new_tokens=MAX_NEW_TOKENS,
-        val_batch_size=100, seed=seed,
-        strategy=GroupRollout(max_turns=MAX_TURNS, max_episode_tokens=MAX_EPISODE_TOKENS),
-    )
-    dm.trainer = SimpleNamespace(lightning_module=SimpleNamespace(policy=model, tokenizer=tokenizer),
-                                 global_rank=0, world_size=1)
-    return dm
+    return episode_datamodule(CalculatorTask(), model, tokenizer, seed, val_batch_size=100,
+                              max_new_tokens=MAX_NEW_TOKENS, max_turns=MAX_TURNS, max_episode_tokens=MAX_EPISODE_TOKENS)
 
 
 def turn_ids(batch: RolloutBatch, row: int) -> list[list[int]]:
@@ -260,17 +249,9 @@ def check_layout(dm: RolloutDataModule, tokenizer: PreTrainedTokenizerBase, step
 
 def validate_with_library(out: Path) -> float:
     """``val/reward`` of ``Trainer.validate`` on ``GRPO(model_name_or_path=out)`` with the preset's data module."""
-    import lightning.pytorch as pl
-
-    from rl_lightning.algorithms import GRPO
-
-    module = GRPO(model_name_or_path=str(out))
-    dm = RolloutDataModule(task=CalculatorTask(), max_new_tokens=MAX_NEW_TOKENS, val_batch_size=100,
-                           strategy=GroupRollout(max_turns=MAX_TURNS, max_episode_tokens=MAX_EPISODE_TOKENS))
-    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False)
-    trainer.validate(module, datamodule=dm, verbose=False)
-    return float(trainer.callback_metrics["val/reward"])
+    return validate_episodes(out, RolloutDataModule(
+        task=CalculatorTask(), max_new_tokens=MAX_NEW_TOKENS, val_batch_size=100,
+        strategy=GroupRollout(max_turns=MAX_TURNS, max_episode_tokens=MAX_EPISODE_TOKENS)))
 
 
 def main(argv: list[str] | None = None) -> dict:

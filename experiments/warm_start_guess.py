@@ -59,8 +59,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+for path in (REPO_ROOT, REPO_ROOT / "experiments"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
 
 import tokenizers  # noqa: E402
 import torch  # noqa: E402
@@ -68,6 +69,7 @@ import transformers  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel  # noqa: E402
 from transformers import PreTrainedTokenizerBase  # noqa: E402
+from warm_start import padded_batch  # noqa: E402
 
 from rl_lightning.envs.guess import GuessNumberEnv, GuessNumberTask  # noqa: E402
 from rl_lightning.models.policy import build_tiny_policy  # noqa: E402
@@ -222,23 +224,25 @@ def make_batch(task: GuessNumberTask, tokenizer: PreTrainedTokenizerBase, step: 
             raise SystemExit(f"an episode of {len(ids)} tokens does not fit in {MAX_POSITIONS} positions")
         rows.append(ids)
         label_rows.append(labels)
-    width = max(len(r) for r in rows)
-    pad = tokenizer.pad_token_id
-    return {
-        "input_ids": torch.tensor([r + [pad] * (width - len(r)) for r in rows]),
-        "attention_mask": torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows]),
-        "labels": torch.tensor([r + [-100] * (width - len(r)) for r in label_rows]),
-    }
+    return padded_batch(rows, label_rows, tokenizer.pad_token_id)
 
 
 # ---------------------------------------------------------------------------------------------- evaluation
 def make_datamodule(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, seed: int = 0) -> RolloutDataModule:
     """The data module of ``configs/tasks/guess.yaml`` (with the method configs' 16 prompts x 8), attached to
     ``model`` through a stand-in trainer so its rollouts can be called directly."""
+    return episode_datamodule(GuessNumberTask(), model, tokenizer, seed, val_batch_size=64,
+                              max_new_tokens=MAX_NEW_TOKENS, max_turns=MAX_TURNS, max_episode_tokens=MAX_EPISODE_TOKENS)
+
+
+def episode_datamodule(task: object, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, seed: int, *,
+                       val_batch_size: int, max_new_tokens: int, max_turns: int,
+                       max_episode_tokens: int) -> RolloutDataModule:
+    """A 16 prompts x 8 episode data module for ``task``, attached to ``model`` through a stand-in trainer."""
     dm = RolloutDataModule(
-        task=GuessNumberTask(), prompts_per_step=16, group_size=8, max_new_tokens=MAX_NEW_TOKENS,
-        val_batch_size=64, seed=seed,
-        strategy=GroupRollout(max_turns=MAX_TURNS, max_episode_tokens=MAX_EPISODE_TOKENS),
+        task=task, prompts_per_step=16, group_size=8, max_new_tokens=max_new_tokens,
+        val_batch_size=val_batch_size, seed=seed,
+        strategy=GroupRollout(max_turns=max_turns, max_episode_tokens=max_episode_tokens),
     )
     dm.trainer = SimpleNamespace(lightning_module=SimpleNamespace(policy=model, tokenizer=tokenizer),
                                  global_rank=0, world_size=1)
@@ -320,15 +324,17 @@ def check_layout(dm: RolloutDataModule, tokenizer: PreTrainedTokenizerBase, step
             "episodes_with_a_special_token_in_a_turn": special}
 
 
-def validate_with_library(out: Path) -> float:
-    """``val/reward`` of ``Trainer.validate`` on ``GRPO(model_name_or_path=out)`` with the preset's data module."""
+def validate_with_library(out: Path, dm: RolloutDataModule | None = None) -> float:
+    """``val/reward`` of ``Trainer.validate`` on ``GRPO(model_name_or_path=out)`` with the preset's data module
+    (``dm``; default: the guess preset's)."""
     import lightning.pytorch as pl
 
     from rl_lightning.algorithms import GRPO
 
     module = GRPO(model_name_or_path=str(out))
-    dm = RolloutDataModule(task=GuessNumberTask(), max_new_tokens=MAX_NEW_TOKENS, val_batch_size=64,
-                           strategy=GroupRollout(max_turns=MAX_TURNS, max_episode_tokens=MAX_EPISODE_TOKENS))
+    if dm is None:
+        dm = RolloutDataModule(task=GuessNumberTask(), max_new_tokens=MAX_NEW_TOKENS, val_batch_size=64,
+                               strategy=GroupRollout(max_turns=MAX_TURNS, max_episode_tokens=MAX_EPISODE_TOKENS))
     trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False)
     trainer.validate(module, datamodule=dm, verbose=False)
