@@ -88,9 +88,9 @@ def checkpointed(chunk_size):
         lp = torch.empty(B, T_, device=logits.device)  # filled by (differentiable) slice assignment
         ent = torch.empty(B, T_, device=logits.device) if with_entropy else None
         for idx in _position_chunks(B, T_, chunk_size):
-            a, e = checkpoint(_chunk_values_autograd, logits[idx], tokens[idx], TEMPERATURE, TOP_P, with_entropy,
-                              use_reentrant=False)
-            lp[idx] = a
+            a, e = checkpoint(_chunk_values_autograd, logits[idx], tokens[idx].unsqueeze(-1), TEMPERATURE, TOP_P,
+                              with_entropy, use_reentrant=False)
+            lp[idx] = a.squeeze(-1)
             if with_entropy:
                 ent[idx] = e
         return lp, ent

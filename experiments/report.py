@@ -128,8 +128,13 @@ def report_lines(runs: list[Run], plot: Path | None, command: str, notes: str = 
 def write_table(runs: list[Run], out: Path, plot: Path | None, command: str, notes: str = "",
                 section: str | None = None, heldout: str = "500 fixed held-out prompts") -> None:
     """Write the report into ``out``: the whole file, or (``section``) its marked section of that title."""
+    write_section(out, section, "\n".join(report_lines(runs, plot, command, notes, section, heldout)) + "\n")
+
+
+def write_section(out: Path, section: str | None, body: str) -> None:
+    """Write ``body`` as the whole of ``out`` (keeping its marked sections after it), or as its marked section
+    ``section`` (replacing one of that title, else appended)."""
     old = out.read_text() if out.is_file() else ""
-    body = "\n".join(report_lines(runs, plot, command, notes, section, heldout)) + "\n"
     if section is None:
         kept = "\n".join(m.group(0).rstrip("\n") + "\n" for m in _SECTION.finditer(old))
         out.write_text(body + ("\n" + kept if kept else ""))

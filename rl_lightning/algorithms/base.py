@@ -49,7 +49,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
-from rl_lightning.functional import AggregationMode, aggregation_weights, sampling_logprobs
+from rl_lightning.functional import AggregationMode, aggregation_weights, sampling_logprobs, sampling_logprobs_at
 from rl_lightning.models.policy import DType, load_policy
 from rl_lightning.rollout.batch import RolloutBatch
 from rl_lightning.rollout.generation import (
@@ -67,15 +67,19 @@ class PolicyOutput:
         entropy: ``[n, T]`` per-token entropy of the sampling distribution (carries the gradient), if asked.
         hidden: ``[n, T, H]`` final hidden states at the positions that predict each response token (for
             value heads on the policy backbone), if asked.
+        extra_logprobs: ``[n, T, J]`` log-probs at the ids ``extra_logprob_ids`` asked for (the sampler's top-k,
+            auxiliary draws), from the same forward, carrying the gradient; 0 on padding, ``-inf`` at an id
+            outside the top-p support (no gradient there).
     """
 
     logprobs: Tensor
     entropy: Tensor | None = None
     hidden: Tensor | None = None
+    extra_logprobs: Tensor | None = None
 
 
 #: the per-token ``RolloutBatch`` fields (second dimension ``T``) that ``trim_padding`` cuts with the response
-_TOKEN_FIELDS = ("loss_mask", "sampler_logprobs", "obs_mask", "ref_logprobs", "values", "returns", "turn_index",
+_TOKEN_FIELDS = ("loss_mask", "sampler_logprobs", "obs_mask", "ref_logprobs", "proximal_logprobs", "values", "returns", "turn_index",
                  "topk_ids", "topk_logprobs", "aux_ids")
 
 
@@ -296,6 +300,11 @@ class RLModule(LightningModule):
     needs_entropy: bool = False
     #: ask ``forward_policy`` for the final hidden states (value heads on the policy backbone)
     needs_hidden: bool = False
+    #: the loss uses the learner's log-probs before the update (``batch.proximal_logprobs``, a decoupled
+    #: objective's proximal policy): ``update`` fills them in with one no-grad forward when it takes several
+    #: optimiser steps; with one, they equal the detached log-probs of the forward itself and stay ``None``
+    #: (``proximal_logprobs`` returns the right one either way)
+    needs_proximal_logprobs: bool = False
     #: the method's ``policy_loss`` of a row whose advantages are exactly zero on all its ``loss_mask`` tokens is
     #: exactly zero with zero gradient (true of ``Σ w · A · f(ρ)`` losses: PG, REINFORCE, RLOO, GRPO, SPO,
     #: FlashREINFORCE; not with a value loss, an entropy bonus or any other term), so ``inert_rows`` may skip such
@@ -359,6 +368,24 @@ class RLModule(LightningModule):
     def check_datamodule(self, datamodule: Any) -> None:
         """Refuse data settings the method cannot use (called at setup). Default: accept everything."""
 
+    def require_data_setting(self, datamodule: Any, setting: str, what: str, minimum: int = 1) -> None:
+        """For ``check_datamodule``: refuse a data module whose ``setting`` (an int such as ``record_topk``) is
+        below ``minimum``, naming the config field and what the method reads from it. A data module without the
+        attribute (a custom one) is not checked."""
+        value = getattr(datamodule, setting, None)
+        if value is not None and value < minimum:
+            raise ValueError(f"{type(self).__name__} needs data.init_args.{setting} >= {minimum} ({what}); "
+                             f"it is {value}")
+
+    def extra_logprob_ids(self, batch: RolloutBatch) -> Tensor | None:
+        """``[n, T, J]`` token ids at which the update also needs the learner's log-probs, besides the sampled
+        tokens (``PolicyOutput.extra_logprobs``, from the same forward and chunked pass), or ``None``.
+
+        Score Centering asks for the sampler's recorded top-k ids (``batch.topk_ids``), StableReinforce for its
+        auxiliary draws (``batch.aux_ids``). ``batch`` is the micro-batch being forwarded. Default: ``None``.
+        """
+        return None
+
     # ================================================================== shared machinery
     def configure_optimizers(self) -> Any:
         try:
@@ -401,14 +428,15 @@ class RLModule(LightningModule):
 
     def forward_policy(
         self, batch: RolloutBatch, model: nn.Module | None = None, with_entropy: bool = False,
-        with_hidden: bool = False,
+        with_hidden: bool = False, extra_ids: Tensor | None = None,
     ) -> PolicyOutput:
         """Score the generated tokens of ``batch`` under ``model`` (default: the policy).
 
         Tokens are scored under the sampler's exact distribution (its temperature and top-p), so on-policy the
         log-probs equal ``batch.sampler_logprobs``. Only the ``T + 1`` positions that predict response tokens
         are projected to the vocabulary. With ``share_prompt_forward``, rows with identical prompts run them once
-        (``shared_prompt_forward``; the same outputs and gradient).
+        (``shared_prompt_forward``; the same outputs and gradient). ``extra_ids`` ``[N, T, J]``: also the
+        log-probs at those ids (``PolicyOutput.extra_logprobs``, ``functional.sampling_logprobs_at``).
         """
         model = self.policy if model is None else model
         width = batch.input_ids.shape[1] - batch.prompt_length  # T
@@ -428,11 +456,19 @@ class RLModule(LightningModule):
             logits = out.logits[:, :-1]  # [N, T, V]: position P-1+t predicts response token t
             start = batch.prompt_length - 1
             hidden = out.hidden_states[-1][:, start:start + width] if with_hidden else None  # [N, T, H]
-        logprobs, entropy = sampling_logprobs(
-            logits, batch.response_ids, batch.temperature, batch.top_p, self.logprob_chunk_size, with_entropy
-        )
+        extra = None
+        if extra_ids is None:
+            logprobs, entropy = sampling_logprobs(
+                logits, batch.response_ids, batch.temperature, batch.top_p, self.logprob_chunk_size, with_entropy
+            )
+        else:
+            logprobs, extra, entropy = sampling_logprobs_at(
+                logits, batch.response_ids, extra_ids, batch.temperature, batch.top_p, self.logprob_chunk_size,
+                with_entropy,
+            )
+            extra = torch.where(batch.loss_mask.bool().unsqueeze(-1), extra, torch.zeros_like(extra))
         mask = batch.loss_mask.to(logprobs.dtype)
-        return PolicyOutput(logprobs * mask, None if entropy is None else entropy * mask, hidden)
+        return PolicyOutput(logprobs * mask, None if entropy is None else entropy * mask, hidden, extra)
 
     def score_sequences(
         self, contexts: list[list[int]], targets: list[list[int]], target_masks: list[list[int]] | None = None,
@@ -469,6 +505,21 @@ class RLModule(LightningModule):
             rewards=torch.zeros(n, device=device), group_size=1, prompt_index=torch.zeros(n, dtype=torch.long,
             device=device), truncated=torch.zeros(n, dtype=torch.bool, device=device), temperature=temperature)
         return self.forward_policy(batch, model, with_entropy=with_entropy), batch.loss_mask
+
+    @staticmethod
+    def proximal_logprobs(batch: RolloutBatch, out: PolicyOutput) -> Tensor:
+        """``[n, T]`` the learner's log-probs before this batch's update (detached), for ``needs_proximal_logprobs``:
+        ``batch.proximal_logprobs`` when ``update`` computed them, else the forward's own (one optimiser step)."""
+        return out.logprobs.detach() if batch.proximal_logprobs is None else batch.proximal_logprobs
+
+    @torch.no_grad()
+    def _fill_proximal_logprobs(self, batch: RolloutBatch) -> RolloutBatch:
+        rows = torch.arange(batch.num_rows, device=batch.loss_mask.device)
+        logprobs = torch.zeros_like(batch.sampler_logprobs)
+        for micro in rows.split(self.micro_batch_size or batch.num_rows):
+            mb = batch.select(micro)
+            logprobs[micro] = self.forward_policy(mb).logprobs.float()
+        return replace(batch, proximal_logprobs=logprobs)
 
     def token_logprobs(
         self, batch: RolloutBatch, model: nn.Module | None = None, with_entropy: bool = False
@@ -688,6 +739,8 @@ class RLModule(LightningModule):
         terms = self._loss_terms()
         skipped = self._skipped_rows(batch, advantages, terms)
         plan = self._update_plan(batch, skipped)
+        if self.needs_proximal_logprobs and len(plan) > 1:
+            batch = self._fill_proximal_logprobs(batch)
         forwarded = torch.zeros(batch.num_rows, dtype=torch.bool, device=batch.loss_mask.device)
         stats: dict[str, list[Tensor]] = {}
         token_sums: dict[str, list[Tensor]] = {}  # per token-mean metric: [sum over its tokens, token count]
@@ -703,7 +756,7 @@ class RLModule(LightningModule):
                 mb, mb_advantages, mb_weights = self._micro_batch(batch, micro, advantages, weights)
                 measure = steps_done == 0
                 out = self.forward_policy(mb, with_entropy=measure or self.needs_entropy,
-                                          with_hidden=self.needs_hidden)
+                                          with_hidden=self.needs_hidden, extra_ids=self.extra_logprob_ids(mb))
                 tokens = mb.loss_mask.sum().float()
                 if measure:  # before any update: the learner vs the sampler that drew the tokens
                     diff = (out.logprobs.detach() - mb.sampler_logprobs).abs() * mb.loss_mask

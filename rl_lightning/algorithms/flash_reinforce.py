@@ -77,6 +77,9 @@ class FlashREINFORCE(PolicyGradient):
                 f"FlashREINFORCE takes one update per fresh batch: num_minibatches must be 1, got "
                 f"{self.num_minibatches}"
             )
+        if self.tis_cap is not None:
+            raise ValueError("FlashREINFORCE: tis_cap is not supported (its own importance ratio is unclipped, "
+                             "with the trajectory gate as the trust region)")
         self.delta = float(delta)
 
     @override

@@ -13,6 +13,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from rl_lightning.algorithms.base import PolicyOutput, RLModule
+from rl_lightning.algorithms.pg import tis_weighted
 from rl_lightning.functional import clipped_policy_loss, group_advantages
 from rl_lightning.rollout.batch import RolloutBatch
 
@@ -25,6 +26,11 @@ class GRPO(RLModule):
         clip_eps_high: ε above 1 (ratio ceiling ``1 + clip_eps_high``; DAPO's clip-higher uses 0.28).
         scale_rewards: divide by the group's population std σ_G (spec); ``False`` gives Dr. GRPO's ``R - μ_G``.
         std_eps: added to σ_G; a group with no reward spread gets advantage 0.
+        tis_cap: truncated importance sampling for a sampler μ that is not the learner (the decoupled form the
+            anchors ship): the ratio is taken against the proximal policy π_prox (the learner before this batch's
+            update, ``RLModule.proximal_logprobs``), ``ρ = π_θ / π_prox``, and each token's term is multiplied by
+            the detached ``min(π_prox / μ, C)``. ``None`` (default): the spec's ratio against the sampler,
+            ``ρ = π_θ / μ``. Logged: ``train/tis_weight_mean``, ``train/tis_clip_fraction``.
         **kwargs: ``RLModule`` arguments (model, optimizer, iterations, aggregation, ...).
     """
 
@@ -33,6 +39,7 @@ class GRPO(RLModule):
     #: gradient, so it is not forwarded (``RLModule.inert_rows``); a subclass overriding ``policy_loss`` (CoPE)
     #: does not inherit this
     zero_advantage_rows_are_inert = True
+    token_mean_metrics = RLModule.token_mean_metrics | {"train/tis_weight_mean", "train/tis_clip_fraction"}
 
     def __init__(
         self,
@@ -40,9 +47,14 @@ class GRPO(RLModule):
         clip_eps_high: float = 0.2,
         scale_rewards: bool = True,
         std_eps: float = 1e-6,
+        tis_cap: float | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        if tis_cap is not None and not tis_cap > 0:
+            raise ValueError(f"{type(self).__name__}: tis_cap must be > 0 or null, got {tis_cap}")
+        self.tis_cap = tis_cap
+        self.needs_proximal_logprobs = tis_cap is not None
         if not (0 <= clip_eps_low < 1) or clip_eps_high < 0:
             raise ValueError(f"GRPO: need 0 <= clip_eps_low < 1 and clip_eps_high >= 0, got {clip_eps_low}, {clip_eps_high}")
         self.clip_eps_low = clip_eps_low
@@ -58,11 +70,14 @@ class GRPO(RLModule):
     def policy_loss(
         self, batch: RolloutBatch, out: PolicyOutput, advantages: Tensor, weights: Tensor
     ) -> tuple[Tensor, dict[str, Tensor]]:
+        old, tis = batch.sampler_logprobs, {}
+        if self.tis_cap is not None:
+            old = self.proximal_logprobs(batch, out)
+            advantages, tis = tis_weighted(advantages, old, batch, self.tis_cap)
         loss, stats = clipped_policy_loss(
-            out.logprobs, batch.sampler_logprobs, advantages, batch.loss_mask, weights,
-            self.clip_eps_low, self.clip_eps_high,
+            out.logprobs, old, advantages, batch.loss_mask, weights, self.clip_eps_low, self.clip_eps_high,
         )
-        return loss, {
+        return loss, {**tis,
             "train/clip_fraction": stats.clip_fraction,
             "train/clip_fraction_low": stats.clip_fraction_low,
             "train/clip_fraction_high": stats.clip_fraction_high,

@@ -17,7 +17,21 @@ from rl_lightning.functional.advantages import (
 from rl_lightning.functional.forecasting import forecast_loss, forecast_pairs, forecast_weights
 from rl_lightning.functional.gates import bernoulli_kl, trajectory_gate
 from rl_lightning.functional.kl import KLKind, kl_estimate
-from rl_lightning.functional.logprobs import sampling_log_softmax, sampling_logits, sampling_logprobs, top_p_mask
+from rl_lightning.functional.centering import (
+    head_mass,
+    mc_centered_loss,
+    score_centered_loss,
+    score_centering_coefficients,
+    tail_ratio,
+    truncated_importance_weights,
+)
+from rl_lightning.functional.logprobs import (
+    sampling_log_softmax,
+    sampling_logits,
+    sampling_logprobs,
+    sampling_logprobs_at,
+    top_p_mask,
+)
 from rl_lightning.functional.losses import (
     AggregationMode,
     PolicyGradientStats,
@@ -49,6 +63,13 @@ from rl_lightning.functional.trpo import (
 )
 
 __all__ = [
+    "sampling_logprobs_at",
+    "truncated_importance_weights",
+    "tail_ratio",
+    "score_centering_coefficients",
+    "score_centered_loss",
+    "mc_centered_loss",
+    "head_mass",
     "AggregationMode",
     "KLKind",
     "PolicyGradientStats",

@@ -84,16 +84,17 @@ def _position_chunks(batch: int, width: int, chunk_size: int) -> Iterator[tuple]
                 yield (b, slice(t, t + chunk_size))
 
 
-def _chunk_values(logits: Tensor, tokens: Tensor, temperature: float, top_p: float,
+def _chunk_values(logits: Tensor, ids: Tensor, temperature: float, top_p: float,
                   with_entropy: bool) -> tuple[Tensor, Tensor | None]:
-    """``(logprobs, entropy or None)`` of one chunk, without autograd (in place on the chunk's temporaries).
+    """``(logprobs [..., J], entropy or None)`` of one chunk at ``ids`` ``[..., J]`` (column 0: the sampled token,
+    kept in the top-p support), without autograd (in place on the chunk's temporaries).
 
     ``log_softmax`` of the chunk is the sampler's own kernel (``generation`` scores its draws with
     ``log_softmax(sampling_logits(...))``), so on-policy the recomputed log-probs match the recorded ones as
     closely as the logits do; it is a ``[chunk, V]`` temporary, never a ``[B, T, V]`` one.
     """
-    logp = torch.log_softmax(sampling_logits(logits, temperature, top_p, tokens), dim=-1)  # -inf off the support
-    lp = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    logp = torch.log_softmax(sampling_logits(logits, temperature, top_p, ids[..., 0]), dim=-1)  # -inf off support
+    lp = logp.gather(-1, ids)
     ent = None
     if with_entropy:
         p = logp.exp()
@@ -101,52 +102,54 @@ def _chunk_values(logits: Tensor, tokens: Tensor, temperature: float, top_p: flo
     return lp, ent
 
 
-def _chunk_values_autograd(logits: Tensor, tokens: Tensor, temperature: float, top_p: float,
+def _chunk_values_autograd(logits: Tensor, ids: Tensor, temperature: float, top_p: float,
                            with_entropy: bool) -> tuple[Tensor, Tensor | None]:
-    """``(logprobs, entropy or None)`` of one chunk with out-of-place, differentiable ops (double backward)."""
-    logp = torch.log_softmax(sampling_logits(logits, temperature, top_p, tokens), dim=-1)
-    lp = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    """``(logprobs [..., J], entropy or None)`` of one chunk with out-of-place, differentiable ops (double
+    backward)."""
+    logp = torch.log_softmax(sampling_logits(logits, temperature, top_p, ids[..., 0]), dim=-1)
+    lp = logp.gather(-1, ids)
     if not with_entropy:
         return lp, None
     return lp, -(logp.exp() * logp.masked_fill(torch.isneginf(logp), 0.0)).sum(-1)
 
 
 class _SamplingLogprobs(torch.autograd.Function):
-    """Chunked log-probs (and entropy) whose backward recomputes each chunk's softmax.
+    """Chunked log-probs at ``ids`` ``[B, T, J]`` (and entropy) whose backward recomputes each chunk's softmax.
 
-    Autograd keeps only the logits (the input, alive anyway), the token ids and the ``[B, T]`` entropy: no
+    Autograd keeps only the logits (the input, alive anyway), the ids and the ``[B, T]`` entropy: no
     ``[B, T, V]`` (log-)softmax is saved. The backward allocates the one ``[B, T, V]`` logits gradient and fills
     it chunk by chunk with the closed form (``s`` = scaled logits, ``ℓ = log_softmax(s)``, ``p = exp ℓ``, ``H``
-    the entropy, ``g``/``h`` the incoming gradients of the log-prob/entropy)::
+    the entropy, ``g_j``/``h`` the incoming gradients of the log-prob at ``ids[..., j]``/of the entropy)::
 
-        ∂L/∂s_v = g · (1[v = token] - p_v) - h · p_v (ℓ_v + H),    ∂s/∂logits = 1/τ on the support, 0 off
+        ∂L/∂s_v = Σ_j g_j · (1[v = ids_j] - p_v) - h · p_v (ℓ_v + H),    ∂s/∂logits = 1/τ on the support, 0 off
 
-    Under ``create_graph=True`` it recomputes each chunk with differentiable ops instead, so double backward
-    (e.g. Fisher-vector products) still works.
+    An id outside the top-p support (possible for ``j >= 1``; column 0 is kept in it) has log-prob ``-inf`` and
+    passes no gradient. Under ``create_graph=True`` it recomputes each chunk with differentiable ops instead, so
+    double backward (e.g. Fisher-vector products) still works.
     """
 
     @staticmethod
-    def forward(ctx, logits: Tensor, tokens: Tensor, temperature: float, top_p: float, chunk_size: int,
+    def forward(ctx, logits: Tensor, ids: Tensor, temperature: float, top_p: float, chunk_size: int,
                 with_entropy: bool):  # noqa: ANN205
-        lp, ent = _chunked_values(logits, tokens, temperature, top_p, chunk_size, with_entropy)
+        lp, ent = _chunked_values(logits, ids, temperature, top_p, chunk_size, with_entropy)
         ctx.set_materialize_grads(False)
         ctx.settings = (temperature, top_p, chunk_size, with_entropy)
-        ctx.save_for_backward(logits, tokens, ent)
+        ctx.save_for_backward(logits, ids, ent)
         return (lp, ent) if with_entropy else lp
 
     @staticmethod
     def backward(ctx, grad_lp: Tensor | None, grad_ent: Tensor | None = None):  # noqa: ANN205
-        logits, tokens, ent = ctx.saved_tensors
+        logits, ids, ent = ctx.saved_tensors
         temperature, top_p, chunk_size, with_entropy = ctx.settings
         none = (None,) * 5
         if grad_lp is None and grad_ent is None:
             return (None, *none)
-        batch, width = tokens.shape
+        batch, width = ids.shape[:2]
         if torch.is_grad_enabled():  # create_graph=True: differentiable recomputation, chunk by chunk
             grad = torch.zeros_like(logits)
             for idx in _position_chunks(batch, width, chunk_size):
                 chunk = logits[idx]
-                lp, e = _chunk_values_autograd(chunk, tokens[idx], temperature, top_p, with_entropy)
+                lp, e = _chunk_values_autograd(chunk, ids[idx], temperature, top_p, with_entropy)
                 outs, grads = [], []
                 if grad_lp is not None:
                     outs.append(lp), grads.append(grad_lp[idx])
@@ -156,19 +159,25 @@ class _SamplingLogprobs(torch.autograd.Function):
             return (grad, *none)
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         for idx in _position_chunks(batch, width, chunk_size):
-            logp = torch.log_softmax(sampling_logits(logits[idx], temperature, top_p, tokens[idx]), dim=-1)
+            chunk_ids = ids[idx]
+            logp = torch.log_softmax(sampling_logits(logits[idx], temperature, top_p, chunk_ids[..., 0]), dim=-1)
+            g_ids = None
+            if grad_lp is not None:
+                g_ids = grad_lp[idx]
+                if top_p < 1.0 and chunk_ids.shape[-1] > 1:  # an id off the support: log-prob -inf, no gradient
+                    g_ids = g_ids.masked_fill(torch.isneginf(logp.gather(-1, chunk_ids)), 0.0)
             p = logp.exp()
-            if grad_ent is not None:  # -p (g + h (ℓ + H)), with ℓ + H := 0 off the support (p = 0 there)
+            if grad_ent is not None:  # -p (Σ g + h (ℓ + H)), with ℓ + H := 0 off the support (p = 0 there)
                 inner = logp.add_(ent[idx].unsqueeze(-1))
                 inner = inner.masked_fill_(torch.isneginf(inner), 0.0).mul_(grad_ent[idx].unsqueeze(-1))
-                if grad_lp is not None:
-                    inner.add_(grad_lp[idx].unsqueeze(-1))
+                if g_ids is not None:
+                    inner.add_(g_ids.sum(-1, keepdim=True))
                 g = inner.mul_(p).neg_()
             else:
-                g = p.mul_(grad_lp[idx].unsqueeze(-1)).neg_()
+                g = p.mul_(g_ids.sum(-1, keepdim=True)).neg_()
             del logp, p
-            if grad_lp is not None:
-                g.scatter_add_(-1, tokens[idx].unsqueeze(-1), grad_lp[idx].unsqueeze(-1))
+            if g_ids is not None:
+                g.scatter_add_(-1, chunk_ids, g_ids)
             if temperature != 1.0:
                 g.div_(temperature)
             grad[idx] = g
@@ -176,18 +185,26 @@ class _SamplingLogprobs(torch.autograd.Function):
         return (grad, *none)
 
 
-def _chunked_values(logits: Tensor, tokens: Tensor, temperature: float, top_p: float, chunk_size: int,
+def _chunked_values(logits: Tensor, ids: Tensor, temperature: float, top_p: float, chunk_size: int,
                     with_entropy: bool) -> tuple[Tensor, Tensor | None]:
-    """``_chunk_values`` over all positions, written into ``[B, T]`` outputs (no autograd)."""
-    batch, width = tokens.shape
-    lp = torch.empty(batch, width, dtype=torch.float32, device=logits.device)
-    ent = torch.empty_like(lp) if with_entropy else None
+    """``_chunk_values`` over all positions, written into ``[B, T, J]`` / ``[B, T]`` outputs (no autograd)."""
+    batch, width, count = ids.shape
+    lp = torch.empty(batch, width, count, dtype=torch.float32, device=logits.device)
+    ent = torch.empty(batch, width, dtype=torch.float32, device=logits.device) if with_entropy else None
     with torch.no_grad():
         for idx in _position_chunks(batch, width, chunk_size):
-            lp[idx], e = _chunk_values(logits[idx], tokens[idx], temperature, top_p, with_entropy)
+            lp[idx], e = _chunk_values(logits[idx], ids[idx], temperature, top_p, with_entropy)
             if with_entropy:
                 ent[idx] = e
     return lp, ent
+
+
+def _logprobs_at(logits: Tensor, ids: Tensor, temperature: float, top_p: float, chunk_size: int,
+                 with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+    if torch.is_grad_enabled() and logits.requires_grad:
+        out = _SamplingLogprobs.apply(logits, ids, temperature, top_p, chunk_size, with_entropy)
+        return out if with_entropy else (out, None)
+    return _chunked_values(logits, ids, temperature, top_p, chunk_size, with_entropy)
 
 
 def sampling_logprobs(
@@ -210,6 +227,7 @@ def sampling_logprobs(
     recomputes each chunk's softmax in backward. Peak extra memory is about one ``[B, T, V]`` gradient (in
     ``logits``' dtype, during backward) plus a few ``[chunk_size, V]`` float32 temporaries. Values and gradients
     equal ``log_softmax(s).gather(...)`` (and its entropy); double backward is supported.
+    ``sampling_logprobs_at`` also returns the log-probs at other ids from the same pass.
 
     Args:
         logits: ``[B, T, V]`` logits predicting each token of ``tokens`` (any float dtype, may be a view).
@@ -223,12 +241,42 @@ def sampling_logprobs(
     Returns:
         ``(logprobs [B, T], entropy [B, T] or None)``, float32.
     """
+    _check_shapes("sampling_logprobs", logits, tokens, chunk_size)
+    lp, ent = _logprobs_at(logits, tokens.unsqueeze(-1), temperature, top_p, chunk_size, with_entropy)
+    return lp.squeeze(-1), ent
+
+
+def sampling_logprobs_at(
+    logits: Tensor,
+    tokens: Tensor,
+    extra_ids: Tensor,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK_POSITIONS,
+    with_entropy: bool = False,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``sampling_logprobs`` plus the log-probs at ``extra_ids`` ``[B, T, J]`` (e.g. the sampler's top-k ids or
+    auxiliary draws, spec 000 "Score Centering"/"StableReinforce"), from the same chunked pass and backward.
+
+    Every log-prob is under the sampling distribution whose support keeps the sampled token (as
+    ``sampling_logprobs``); an extra id outside the top-p support gets ``-inf`` and no gradient (callers that
+    multiply by it mask those first). No ``[B, T, V]`` copy beyond the one logits gradient of the backward.
+
+    Returns:
+        ``(logprobs [B, T], extra_logprobs [B, T, J], entropy [B, T] or None)``, float32.
+    """
+    _check_shapes("sampling_logprobs_at", logits, tokens, chunk_size)
+    if extra_ids.dim() != 3 or extra_ids.shape[:2] != tokens.shape:
+        raise ValueError(f"sampling_logprobs_at: extra_ids [B, T, J] expected for tokens {tuple(tokens.shape)}, got "
+                         f"{tuple(extra_ids.shape)}")
+    ids = torch.cat([tokens.unsqueeze(-1), extra_ids.to(tokens.dtype)], dim=-1)
+    lp, ent = _logprobs_at(logits, ids, temperature, top_p, chunk_size, with_entropy)
+    return lp[..., 0], lp[..., 1:], ent
+
+
+def _check_shapes(name: str, logits: Tensor, tokens: Tensor, chunk_size: int) -> None:
     if chunk_size < 1:
-        raise ValueError(f"sampling_logprobs: chunk_size must be >= 1, got {chunk_size}")
+        raise ValueError(f"{name}: chunk_size must be >= 1, got {chunk_size}")
     if logits.shape[:-1] != tokens.shape or logits.dim() != 3:
-        raise ValueError(f"sampling_logprobs: logits [B, T, V] and tokens [B, T] expected, got "
+        raise ValueError(f"{name}: logits [B, T, V] and tokens [B, T] expected, got "
                          f"{tuple(logits.shape)} and {tuple(tokens.shape)}")
-    if torch.is_grad_enabled() and logits.requires_grad:
-        out = _SamplingLogprobs.apply(logits, tokens, temperature, top_p, chunk_size, with_entropy)
-        return out if with_entropy else (out, None)
-    return _chunked_values(logits, tokens, temperature, top_p, chunk_size, with_entropy)

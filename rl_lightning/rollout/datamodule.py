@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 import time
-from typing import Any, Iterator
+from typing import Any, Iterator, get_args
 
 import torch
 from lightning.pytorch import LightningDataModule
@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, IterableDataset
 
 from rl_lightning.envs.base import Prompt, RewardFunction, Task
+from rl_lightning.models.policy import DType
 from rl_lightning.rollout.batch import PromptBatch, RolloutBatch
 from rl_lightning.rollout.engines import KVCacheEngine, RolloutEngine
 from rl_lightning.rollout.episodes import left_pad
@@ -53,6 +54,10 @@ class RolloutDataModule(LightningDataModule):
         top_p: nucleus sampling mass in ``(0, 1]``.
         sampler_sync_interval: 1 samples with the current policy; ``k > 1`` samples with a copy of the policy
             refreshed every ``k`` steps, so sampler and learner really differ in between.
+        sampler_dtype: sample with a copy of the policy in this dtype (``bfloat16``: an inference engine's
+            precision against an fp32 learner), refreshed every ``sampler_sync_interval`` steps (every step at 1);
+            ``None`` samples in the policy's own dtype. Combines with the lag. ``train/sampler_logp_diff``
+            measures the mismatch each setting produces (docs/algorithms.md, "Sampler/learner mismatch").
         reward_fn: reward function; ``None`` uses the task's verifier (exact match by default).
         val_batch_size: held-out prompts per greedy validation batch (per device).
         num_val_prompts: use only the first ``num_val_prompts`` held-out prompts (``None``: all).
@@ -82,6 +87,7 @@ class RolloutDataModule(LightningDataModule):
         temperature: float = 1.0,
         top_p: float = 1.0,
         sampler_sync_interval: int = 1,
+        sampler_dtype: DType | None = None,
         reward_fn: RewardFunction | None = None,
         val_batch_size: int = 256,
         num_val_prompts: int | None = None,
@@ -101,6 +107,7 @@ class RolloutDataModule(LightningDataModule):
             "top_p": 0 < top_p <= 1, "sampler_sync_interval": sampler_sync_interval >= 1,
             "val_batch_size": val_batch_size >= 1, "num_val_prompts": num_val_prompts is None or num_val_prompts >= 0,
             "record_topk": record_topk >= 0, "record_aux_draws": record_aux_draws >= 0,
+            "sampler_dtype": sampler_dtype is None or sampler_dtype in get_args(DType),
         }
         for name, ok in checks.items():
             if not ok:
@@ -112,6 +119,7 @@ class RolloutDataModule(LightningDataModule):
         self.temperature = temperature
         self.top_p = top_p
         self.sampler_sync_interval = sampler_sync_interval
+        self.sampler_dtype = sampler_dtype
         self.reward_fn = reward_fn if reward_fn is not None else task.default_reward()
         self.val_batch_size = val_batch_size
         self.num_val_prompts = num_val_prompts
@@ -268,12 +276,15 @@ class RolloutDataModule(LightningDataModule):
         return self.generator
 
     def sampler(self) -> nn.Module:
-        """The model that generates this step: the policy, or its lagged copy (refreshed every k steps)."""
+        """The model that generates this step: the policy, or its copy (lagged: refreshed every
+        ``sampler_sync_interval`` steps; in ``sampler_dtype``)."""
         policy = self._module.policy
-        if self.sampler_sync_interval == 1:
+        if self.sampler_sync_interval == 1 and self.sampler_dtype is None:
             return policy
         if self._sampler is None:
             self._sampler = copy.deepcopy(policy).requires_grad_(False).eval()
+            if self.sampler_dtype is not None:
+                self._sampler.to(getattr(torch, self.sampler_dtype))
             self._sampler_synced_at = self.cursor
             if self._pending_state is not None and "sampler" in self._pending_state:
                 self._sampler.load_state_dict(self._pending_state.pop("sampler"))
