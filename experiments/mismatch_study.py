@@ -3,6 +3,8 @@
     python experiments/mismatch_study.py                 # every run not yet done, then the report
     python experiments/mismatch_study.py --jobs 2        # two runs at a time (one thread each)
     python experiments/mismatch_study.py --report-only   # the report from the runs done so far
+    python experiments/mismatch_study.py --probe         # train/sampler_logp_diff of each setting on the
+                                                         # embedded default (2-digit), 24 REINFORCE steps each
 
 Methods (each from its own config, stacked with ``configs/tasks/arithmetic_hard.yaml``, 200 steps x 128
 responses): REINFORCE, GRPO, GRPO + TIS (``tis_cap: 2``), ScoreCentering (top-8 head), StableReinforce (K = 8
@@ -180,6 +182,34 @@ def write_plot(found: dict[tuple[str, str], list[dict]], plot: Path) -> None:
     fig.savefig(plot, dpi=120)
 
 
+PROBE = {"lag1": (1, "null"), "lag4": (4, "null"), "lag8": (8, "null"), "bf16": (1, "bfloat16"),
+         "bf16 + lag4": (4, "bfloat16")}
+
+
+def probe(steps: int = 24) -> None:
+    """Print the mean ``train/sampler_logp_diff`` each mismatch setting produces on the embedded default
+    (configs/reinforce.yaml, 2-digit addition), over ``steps`` steps, split into synced and lagged steps."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (interval, dtype) in PROBE.items():
+            command = [str(REPO / ".venv/bin/rl-lightning"), "fit", "--config", "configs/reinforce.yaml",
+                       "--data.init_args.sampler_sync_interval", str(interval), "--data.init_args.sampler_dtype",
+                       dtype, "--trainer.max_steps", str(steps), "--trainer.limit_val_batches", "0",
+                       "--trainer.logger.init_args.save_dir", tmp, "--trainer.logger.init_args.name", "probe",
+                       "--trainer.enable_progress_bar", "false", "--trainer.callbacks", "[]"]
+            subprocess.run(command, cwd=REPO, capture_output=True, text=True, check=True,
+                           env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+            runs = sorted(Path(tmp, "probe").glob("version_*"), key=lambda p: int(p.name.split("_")[1]))
+            diff = scalars(runs[-1])["train/sampler_logp_diff"]
+            synced = [v for s, v in diff if s % interval == 0]
+            lagged = [v for s, v in diff if s % interval != 0]
+            mean = sum(v for _, v in diff) / len(diff)
+            print(f"{name:12s} mean {mean:.2e}  synced steps {sum(synced) / len(synced):.2e}" +
+                  (f"  lagged steps {sum(lagged) / len(lagged):.2e} (max {max(lagged):.2e})" if lagged else ""),
+                  flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -187,10 +217,13 @@ def main() -> None:
     parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (2 cores: at most 2)")
     parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--probe", action="store_true", help="only measure each setting's sampler_logp_diff")
     parser.add_argument("--out", type=Path, default=REPO / "docs/results.md")
     parser.add_argument("--plot", type=Path, default=REPO / "docs/results_mismatch.png")
     parser.add_argument("--notes", type=Path, default=REPO / "experiments/results_notes_mismatch.md")
     args = parser.parse_args()
+    if args.probe:
+        return probe()
     if not args.report_only:  # seed-major order: a partial study has every cell at its first seeds
         todo = [(m, s, seed) for seed in args.seeds for s in args.settings for m in args.methods
                 if done_run(run_name(m, s), seed) is None]

@@ -65,7 +65,8 @@ def test_the_page_shows_the_example_files_verbatim():
         match = re.search(r'title="([^"]+)"', info)
         if match:
             titled[match.group(1)] = content
-    assert set(titled) == {"docs/examples/dr_grpo.py", "docs/examples/dr_grpo.yaml", "docs/examples/steering.py"}
+    assert set(titled) == {"docs/examples/dr_grpo.py", "docs/examples/dr_grpo.yaml", "docs/examples/steering.py",
+                           "docs/examples/head_kl.py"}
     for path, content in titled.items():
         assert content == (REPO / path).read_text(), f"docs/extending.md is out of date with {path}"
     assert len((EXAMPLES / "dr_grpo.py").read_text().splitlines()) < 60
@@ -127,6 +128,38 @@ def test_dr_grpo_advantages_and_weights_on_a_hand_batch():
     out = PolicyOutput(logprobs=batch.sampler_logprobs.clone())
     loss, _ = module.policy_loss(batch, out, advantages.unsqueeze(-1), weights)
     assert loss.item() == pytest.approx(-0.05)
+
+
+def test_the_head_kl_example_adds_the_sampler_head_kl_from_the_same_forward():
+    from rl_lightning.envs import ArithmeticTask
+    from rl_lightning.rollout import RolloutDataModule
+    from tests.rollout.rollout_helpers import fake_trainer
+
+    head_kl = _example("head_kl")
+    torch.manual_seed(0)
+    module = head_kl.HeadKL(model_name_or_path="embedded:random", head_kl_coef=0.5, baseline="batch_mean")
+    with pytest.raises(ValueError, match="data.init_args.record_topk >= 1"):
+        module.check_datamodule(SimpleNamespace(record_topk=0))
+    dm = RolloutDataModule(task=ArithmeticTask(num_heldout=4), prompts_per_step=2, group_size=2, max_new_tokens=4,
+                           record_topk=3)
+    dm.trainer = fake_trainer(module)
+    batch = dm.rollout(dm.prompt_batch(0))
+    with torch.no_grad():
+        for p in module.policy.parameters():  # the learner moves away from the sampler
+            p.add_(0.1 * torch.randn_like(p))
+    advantages, weights = module.compute_advantages(batch).unsqueeze(-1), module.loss_weights(batch)
+    out = module.forward_policy(batch, extra_ids=module.extra_logprob_ids(batch))
+    loss, stats = module.policy_loss(batch, out, advantages, weights)
+    logits = module.policy(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                           position_ids=(batch.attention_mask.cumsum(-1) - 1).clamp(min=0)).logits
+    logp = torch.log_softmax(logits[:, batch.prompt_length - 1:-1], dim=-1).gather(-1, batch.topk_ids)
+    q_log = batch.topk_logprobs
+    want = 0.5 * ((q_log.exp() * (q_log - logp)).sum(-1) * batch.loss_mask * weights).sum()
+    assert want.item() > 0  # the sampler's head KL is positive off-policy
+    assert stats["train/head_kl_loss"].item() == pytest.approx(want.item(), rel=1e-4)
+    plain, _ = super(head_kl.HeadKL, module).policy_loss(batch, out, advantages, weights)
+    assert (loss - plain).item() == pytest.approx(want.item(), rel=1e-4)
+    assert not module._declares_zero_advantage_rows_inert()  # its KL term reaches zero-advantage rows too
 
 
 def test_the_countdown_environment_runs_as_multi_turn_episodes():
