@@ -2,6 +2,7 @@
 
 from rl_lightning.algorithms.base import HeldoutObserver, LossTerm, NonFiniteLossError, PolicyOutput, RLModule
 from rl_lightning.algorithms.cope import CoPE
+from rl_lightning.algorithms.critic import ActorCritic
 from rl_lightning.algorithms.flash_reinforce import FlashREINFORCE
 from rl_lightning.algorithms.grpo import GRPO
 from rl_lightning.algorithms.pg import PolicyGradient
@@ -13,6 +14,6 @@ from rl_lightning.algorithms.spo import SPO
 from rl_lightning.algorithms.stable_reinforce import StableReinforce
 from rl_lightning.algorithms.trpo import TRPO
 
-__all__ = ["CoPE", "FlashREINFORCE", "GRPO", "PPO", "REINFORCE", "RLOO", "SPO", "ScoreCentering", "StableReinforce",
+__all__ = ["ActorCritic", "CoPE", "FlashREINFORCE", "GRPO", "PPO", "REINFORCE", "RLOO", "SPO", "ScoreCentering", "StableReinforce",
            "TRPO", "HeldoutObserver", "LossTerm",
            "NonFiniteLossError", "PolicyGradient", "PolicyOutput", "RLModule"]

@@ -49,6 +49,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
+from rl_lightning.algorithms.update_metrics import UpdateMetrics
 from rl_lightning.functional import AggregationMode, aggregation_weights, sampling_logprobs, sampling_logprobs_at
 from rl_lightning.models.policy import DType, load_policy
 from rl_lightning.rollout.batch import RolloutBatch
@@ -742,15 +743,9 @@ class RLModule(LightningModule):
         if self.needs_proximal_logprobs and len(plan) > 1:
             batch = self._fill_proximal_logprobs(batch)
         forwarded = torch.zeros(batch.num_rows, dtype=torch.bool, device=batch.loss_mask.device)
-        stats: dict[str, list[Tensor]] = {}
-        token_sums: dict[str, list[Tensor]] = {}  # per token-mean metric: [sum over its tokens, token count]
-
-        def add_tokens(key: str, total: Tensor, tokens: Tensor) -> None:
-            pair = token_sums.setdefault(key, [tokens.new_zeros(()), tokens.new_zeros(())])
-            pair[0], pair[1] = pair[0] + total, pair[1] + tokens
+        metrics = UpdateMetrics(self.token_mean_metrics, self.summed_metrics)
         for steps_done, (iteration, index, micro_batches) in enumerate(plan):
             optimizer.zero_grad()
-            step_sums: dict[str, Tensor] = {}  # summed metrics of this optimiser step
             for micro in micro_batches:
                 forwarded[micro] = True
                 mb, mb_advantages, mb_weights = self._micro_batch(batch, micro, advantages, weights)
@@ -760,8 +755,8 @@ class RLModule(LightningModule):
                 tokens = mb.loss_mask.sum().float()
                 if measure:  # before any update: the learner vs the sampler that drew the tokens
                     diff = (out.logprobs.detach() - mb.sampler_logprobs).abs() * mb.loss_mask
-                    add_tokens("train/sampler_logp_diff", diff.sum().float(), tokens)
-                    add_tokens("train/entropy", out.entropy.detach().sum().float(), tokens)
+                    metrics.add_tokens("train/sampler_logp_diff", diff.sum(), tokens)
+                    metrics.add_tokens("train/entropy", out.entropy.detach().sum(), tokens)
                 loss, loss_stats = self.policy_loss(mb, out, mb_advantages, mb_weights)
                 for term in terms:
                     extra, extra_stats = term.loss_term(self, mb, out.logprobs, mb_weights)
@@ -770,35 +765,27 @@ class RLModule(LightningModule):
                 self._check_finite(loss.detach(), "loss", iteration, index)
                 if loss.requires_grad:  # e.g. not while a callback has frozen every parameter
                     self.manual_backward(loss)
-                step_sums["train/loss"] = step_sums.get("train/loss", 0.0) + loss.detach().float()
-                for key, value in loss_stats.items():
-                    if key in self.summed_metrics:
-                        step_sums[key] = step_sums.get(key, 0.0) + value.detach().float()
-                    elif key in self.token_mean_metrics:
-                        add_tokens(key, value.detach().float() * tokens, tokens)
-                    else:
-                        stats.setdefault(key, []).append(value.detach().float())
-            for key, value in step_sums.items():
-                stats.setdefault(key, []).append(value)
+                metrics.add_loss(loss, loss_stats, tokens)
+            metrics.end_optimizer_step()
             params = [p for p in self.trainable_parameters() if p.grad is not None]
             grad_norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm or float("inf"))
             self._check_finite(grad_norm, "gradient norm", iteration, index)
-            stats.setdefault("train/grad_norm", []).append(grad_norm.detach())
+            metrics.add("train/grad_norm", grad_norm)
             if steps_done == len(plan) - 1:
                 optimizer.step()  # the one step Lightning counts: global_step = rollout batches
             else:
                 optimizer.optimizer.step()
         self.forwarded_rows = forwarded
-        stats["train/skipped_rows"] = [skipped.float().mean() if skipped is not None
-                                       else torch.zeros((), device=batch.loss_mask.device)]
+        metrics.add("train/skipped_rows", skipped.float().mean() if skipped is not None
+                    else torch.zeros((), device=batch.loss_mask.device))
         optimizer.zero_grad()
-        names = sorted(token_sums)  # the same on every rank: which metrics a loss reports depends on config only
-        sums = torch.stack([x for key in names for x in token_sums[key]])
-        if self._trainer is not None and self.trainer.world_size > 1:  # token means over all ranks' tokens
-            sums = self.trainer.strategy.reduce(sums, reduce_op="sum")
-        for key, (total, count) in zip(names, sums.view(-1, 2)):
-            stats[key] = [total / count.clamp(min=1.0)]
-        return stats
+        return metrics.finish(self._sum_over_ranks)
+
+    def _sum_over_ranks(self, values: Tensor) -> Tensor:
+        """``values`` summed over every rank (unchanged in one process)."""
+        if self._trainer is not None and self.trainer.world_size > 1:
+            return self.trainer.strategy.reduce(values, reduce_op="sum")
+        return values
 
     def learning_rates(self) -> dict[str, Tensor]:
         """The learning rate of every optimiser parameter group, now: ``train/lr`` for the first group of the

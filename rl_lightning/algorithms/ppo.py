@@ -4,6 +4,9 @@
 
 with per-token ``Â`` from ``gae`` over the critic's values at rollout time (outcome reward on the last
 generated token, ``V = 0`` after it), ``R = Â + V_old``, ``num_iterations`` epochs × ``num_minibatches``.
+The critic and its schedule are ``ActorCritic``'s; the per-token policy objective is the narrow hook
+``policy_objective`` (a method that changes only the surrogate -- a divergence clip, a token mask --
+overrides that alone).
 """
 
 from __future__ import annotations
@@ -11,24 +14,17 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from typing_extensions import override
 
-from rl_lightning.algorithms.base import PolicyOutput, RLModule
-from rl_lightning.functional import (
-    AggregationMode,
-    aggregate,
-    clipped_policy_loss,
-    clipped_value_loss,
-    explained_variance,
-    outcome_gae,
-)
-from rl_lightning.models.value import CriticMode, build_critic
+from rl_lightning.algorithms.base import PolicyOutput
+from rl_lightning.algorithms.critic import ActorCritic
+from rl_lightning.functional import AggregationMode, aggregate, clip_statistics, clipped_surrogate, outcome_gae
+from rl_lightning.models.value import CriticMode
 from rl_lightning.rollout.batch import RolloutBatch
-from rl_lightning.rollout.generation import position_ids_from_mask
 
 
-class PPO(RLModule):
+class PPO(ActorCritic):
     """Proximal Policy Optimization with a value model.
 
     Args:
@@ -40,11 +36,12 @@ class PPO(RLModule):
         lam: GAE λ (LLM practice: 0.95).
         clip_eps_low, clip_eps_high: ratio clip range ``[1 - low, 1 + high]``.
         value_clip: ε_v of the clipped value loss (``None``: plain squared error).
-        vf_coef: weight of the value loss.
+        vf_coef: weight of the value loss (in the joint update, ``critic_updates: 0``).
         entropy_coef: weight of the entropy bonus (0 disables it).
         whiten_advantages: normalise advantages to mean 0, std 1 over the batch's generated tokens.
         loss_aggregation: token aggregation of all three terms (default ``token_mean``).
-        **kwargs: ``RLModule`` arguments; ``num_iterations`` is the number of PPO epochs.
+        **kwargs: ``ActorCritic`` arguments (``value_bounds``, ``critic_updates``, ``critic_minibatches``,
+            ``critic_max_grad_norm``) and ``RLModule``'s; ``num_iterations`` is the number of PPO epochs.
 
     Truncated responses are treated as terminal (``V = 0`` after the last token); their reward is the
     verifier's score of the truncated text.
@@ -66,51 +63,23 @@ class PPO(RLModule):
         loss_aggregation: AggregationMode = "token_mean",
         **kwargs: Any,
     ) -> None:
-        super().__init__(loss_aggregation=loss_aggregation, **kwargs)
+        super().__init__(critic=critic, critic_model_name_or_path=critic_model_name_or_path, critic_lr=critic_lr,
+                         value_clip=value_clip, loss_aggregation=loss_aggregation, **kwargs)
         checks = {"gamma": 0.0 <= gamma <= 1.0, "lam": 0.0 <= lam <= 1.0, "clip_eps_low": 0 <= clip_eps_low < 1,
-                  "clip_eps_high": clip_eps_high >= 0, "vf_coef": vf_coef >= 0, "entropy_coef": entropy_coef >= 0,
-                  "value_clip": value_clip is None or value_clip > 0, "critic_lr": critic_lr is None or critic_lr > 0}
+                  "clip_eps_high": clip_eps_high >= 0, "vf_coef": vf_coef >= 0, "entropy_coef": entropy_coef >= 0}
         for name, ok in checks.items():
             if not ok:
-                raise ValueError(f"PPO: invalid {name}={locals()[name]!r}")
+                raise ValueError(f"{type(self).__name__}: invalid {name}={locals()[name]!r}")
         self.gamma, self.lam = gamma, lam
         self.clip_eps_low, self.clip_eps_high = clip_eps_low, clip_eps_high
-        self.value_clip, self.vf_coef, self.entropy_coef = value_clip, vf_coef, entropy_coef
+        self.vf_coef, self.entropy_coef = vf_coef, entropy_coef
         self.whiten_advantages = whiten_advantages
-        self.critic_lr = critic_lr
-        self.critic = build_critic(critic, self.policy, critic_model_name_or_path or self.hparams.model_name_or_path,
-                                   self.hparams.dtype)
-        self.needs_hidden = critic == "shared"
         self.needs_entropy = entropy_coef > 0
-
-    # ------------------------------------------------------------------ critic plumbing
-    @override
-    def parameter_groups(self) -> list[dict[str, Any]]:
-        groups = super().parameter_groups()
-        groups[0].setdefault("name", "policy")  # names give the logged rates theirs: train/lr, train/lr_critic
-        critic_group: dict[str, Any] = {"params": list(self.critic.parameters()), "name": "critic"}
-        if self.critic_lr is not None:
-            critic_group["lr"] = self.critic_lr
-        return [*groups, critic_group]
-
-    @override
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        return [*self.policy.parameters(), *self.critic.parameters()]
-
-    def critic_values(self, batch: RolloutBatch, out: PolicyOutput | None) -> Tensor:
-        """``[n, T]`` values of ``batch``'s rows (masked), from ``out.hidden`` or the separate critic."""
-        values = self.critic.values(
-            batch.input_ids, batch.attention_mask, position_ids_from_mask(batch.attention_mask),
-            batch.prompt_length, hidden=None if out is None else out.hidden,
-        )
-        return values.float() * batch.loss_mask
 
     # ------------------------------------------------------------------ hooks
     @override
     def compute_advantages(self, batch: RolloutBatch) -> Tensor:
-        with torch.no_grad():
-            out = self.forward_policy(batch, with_hidden=True) if self.needs_hidden else None
-            values = self.critic_values(batch, out)  # V_old, [N, T]
+        values = self.rollout_values(batch)  # V_old, [N, T]
         advantages, returns = outcome_gae(batch.rewards.float(), values, batch.loss_mask, self.gamma, self.lam,
                                           whiten=self.whiten_advantages)
         batch.values, batch.returns = values, returns  # carried into every minibatch by select()
@@ -118,27 +87,38 @@ class PPO(RLModule):
 
     @override
     def update(self, batch: RolloutBatch, advantages: Tensor, weights: Tensor) -> dict[str, list[Tensor]]:
-        stats = super().update(batch, advantages, weights)
-        # of the values the advantages came from (V_old) against the returns, over the whole batch's tokens
-        stats["train/explained_variance"] = [explained_variance(batch.values, batch.returns, batch.loss_mask)]
-        return stats
+        stats = self.critic_metrics(batch)
+        if self.critic_updates:  # the critic's own passes first, on the returns fixed at rollout time
+            stats.update(self.fit_critic(batch, weights, self.optimizers()))
+        return {**stats, **super().update(batch, advantages, weights)}
+
+    def policy_objective(self, batch: RolloutBatch, out: PolicyOutput,
+                         advantages: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """``[n, T]`` the per-token policy objective to maximise (aggregated by ``policy_loss``) and its
+        token-mean metrics. PPO: ``min(ρA, clip(ρ, 1-ε_low, 1+ε_high)A)`` with ``ρ = π_θ / π_old`` (the sampler's
+        recorded log-probs)."""
+        mask = batch.loss_mask
+        old = batch.sampler_logprobs.detach()
+        ratio = torch.exp((out.logprobs - old) * mask)  # zero log-ratio on padding: exp() stays finite
+        stats = clip_statistics(ratio, advantages, mask, self.clip_eps_low, self.clip_eps_high, out.logprobs, old)
+        return clipped_surrogate(ratio, advantages, self.clip_eps_low, self.clip_eps_high), {
+            "train/clip_fraction": stats.clip_fraction, "train/clip_fraction_low": stats.clip_fraction_low,
+            "train/clip_fraction_high": stats.clip_fraction_high, "train/approx_kl": stats.approx_kl,
+            "train/ratio_mean": stats.ratio_mean,
+        }
 
     @override
     def policy_loss(
         self, batch: RolloutBatch, out: PolicyOutput, advantages: Tensor, weights: Tensor
     ) -> tuple[Tensor, dict[str, Tensor]]:
-        pg_loss, pg = clipped_policy_loss(out.logprobs, batch.sampler_logprobs, advantages, batch.loss_mask,
-                                          weights, self.clip_eps_low, self.clip_eps_high)
-        values = self.critic_values(batch, out)
-        v_loss, vs = clipped_value_loss(values, batch.values, batch.returns, batch.loss_mask, weights,
-                                        self.value_clip)
-        loss = pg_loss + self.vf_coef * v_loss
-        metrics = {
-            "train/policy_loss": pg_loss.detach(), "train/value_loss": v_loss.detach(),
-            "train/clip_fraction": pg.clip_fraction, "train/clip_fraction_low": pg.clip_fraction_low,
-            "train/clip_fraction_high": pg.clip_fraction_high, "train/approx_kl": pg.approx_kl,
-            "train/ratio_mean": pg.ratio_mean, "train/value_clip_fraction": vs.value_clip_fraction,
-        }
+        objective, metrics = self.policy_objective(batch, out, advantages)
+        pg_loss = -aggregate(objective * batch.loss_mask, weights)
+        loss = pg_loss
+        metrics = {"train/policy_loss": pg_loss.detach(), **metrics}
+        if self.critic_updates == 0:  # the joint update: the value loss rides on the policy's backward
+            v_loss, v_metrics = self.value_loss(batch, self.critic_values(batch, out), weights)
+            loss = loss + self.vf_coef * v_loss
+            metrics.update(v_metrics)
         if self.entropy_coef > 0:
             entropy = aggregate(out.entropy, weights)
             loss = loss - self.entropy_coef * entropy

@@ -31,20 +31,19 @@ from typing import Any, Callable, Literal
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.utils import parameters_to_vector
 from typing_extensions import override
 
-from rl_lightning.algorithms.base import NonFiniteLossError, PolicyOutput, RLModule, shared_prompt_forward
+from rl_lightning.algorithms.base import NonFiniteLossError, PolicyOutput
+from rl_lightning.algorithms.critic import ActorCritic
+from rl_lightning.algorithms.natural_gradient import apply_step, fisher_logits, vocab_logprobs
 from rl_lightning.functional import (
-    clipped_value_loss,
-    explained_variance,
     group_advantages,
     masked_mean,
     outcome_gae,
     sampling_log_softmax,
 )
 from rl_lightning.functional.trpo import (
+    backtracking_line_search,
     categorical_kl,
     conjugate_gradient,
     fisher_vector_product,
@@ -52,15 +51,14 @@ from rl_lightning.functional.trpo import (
     importance_surrogate,
     trust_region_scale,
 )
-from rl_lightning.models.value import CriticMode, build_critic
+from rl_lightning.models.value import CriticMode
 from rl_lightning.rollout.batch import RolloutBatch
-from rl_lightning.rollout.generation import position_ids_from_mask
 
 AdvantageEstimator = Literal["group", "gae"]
 FisherProduct = Literal["gauss_newton", "double_backward"]
 
 
-class TRPO(RLModule):
+class TRPO(ActorCritic):
     """Trust Region Policy Optimization.
 
     Args:
@@ -119,7 +117,11 @@ class TRPO(RLModule):
         whiten_advantages: bool = True,
         **kwargs: Any,
     ) -> None:
-        super().__init__(**kwargs)
+        if not (isinstance(critic_steps, int) and critic_steps >= 1):
+            raise ValueError(f"TRPO: critic_steps must be >= 1, got {critic_steps!r}")
+        super().__init__(critic=critic if advantage_estimator == "gae" else None,
+                         critic_model_name_or_path=critic_model_name_or_path, critic_lr=critic_lr, value_clip=None,
+                         critic_updates=critic_steps, **kwargs)
         checks = [  # (field, valid, rule, value)
             ("delta", delta > 0, "must be > 0", delta),
             ("damping", damping >= 0, "must be >= 0", damping),
@@ -132,7 +134,6 @@ class TRPO(RLModule):
             ("advantage_estimator", advantage_estimator in ("group", "gae"), "must be 'group' or 'gae'",
              advantage_estimator),
             ("critic_lr", critic_lr > 0, "must be > 0", critic_lr),
-            ("critic_steps", critic_steps >= 1, "must be >= 1", critic_steps),
             ("gamma", 0 <= gamma <= 1, "must be in [0, 1]", gamma),
             ("lam", 0 <= lam <= 1, "must be in [0, 1]", lam),
             ("num_iterations", self.num_iterations == 1, "must be 1 (one trust-region step per rollout batch)",
@@ -151,12 +152,8 @@ class TRPO(RLModule):
         self.advantage_estimator = advantage_estimator
         self.min_group_size = 2 if advantage_estimator == "group" else 1  # group-relative advantages need G >= 2
         self.scale_rewards, self.std_eps = scale_rewards, std_eps
-        self.critic_lr, self.critic_steps = critic_lr, critic_steps
+        self.critic_steps = critic_steps
         self.gamma, self.lam, self.whiten_advantages = gamma, lam, whiten_advantages
-        self.critic = None
-        if advantage_estimator == "gae":
-            checkpoint = critic_model_name_or_path or self.hparams.model_name_or_path
-            self.critic = build_critic(critic, self.policy, checkpoint, self.hparams.dtype)
 
     # ------------------------------------------------------------------ setup
     @override
@@ -198,8 +195,7 @@ class TRPO(RLModule):
     def compute_advantages(self, batch: RolloutBatch) -> Tensor:
         if self.critic is None:
             return group_advantages(batch.rewards, batch.group_size, scale=self.scale_rewards, eps=self.std_eps)
-        with torch.no_grad():
-            values = self.critic_values(batch)  # V_old, [N, T]
+        values = self.rollout_values(batch)  # V_old, [N, T]
         advantages, returns = outcome_gae(batch.rewards.float(), values, batch.loss_mask, self.gamma, self.lam,
                                           whiten=self.whiten_advantages)
         batch.values, batch.returns = values, returns
@@ -219,18 +215,8 @@ class TRPO(RLModule):
 
     # ------------------------------------------------------------------ pieces of the step
     def vocab_logprobs(self, batch: RolloutBatch) -> Tensor:
-        """``[N, T, V]`` full-vocabulary log-probs of the sampling distribution (temperature, top-p) per position.
-
-        Attention runs on SDPA's math backend: the fused kernels have no double backward, which the
-        Fisher-vector products need (every call uses it, so all measurements share one numeric path).
-        """
-        width = batch.input_ids.shape[1] - batch.prompt_length  # T
-        with sdpa_kernel(SDPBackend.MATH):
-            out = self.policy(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                              position_ids=position_ids_from_mask(batch.attention_mask), logits_to_keep=width + 1,
-                              use_cache=False)
-        logits = out.logits[:, :-1]  # [N, T, V]: position P-1+t predicts response token t
-        return sampling_log_softmax(logits, batch.temperature, batch.top_p, keep=batch.response_ids)
+        """``[N, T, V]`` the policy's full-vocabulary log-probs (``natural_gradient.vocab_logprobs``)."""
+        return vocab_logprobs(self.policy, batch)
 
     def objective(
         self, batch: RolloutBatch, logp_all: Tensor, advantages: Tensor, weights: Tensor
@@ -246,25 +232,9 @@ class TRPO(RLModule):
         return -loss, logprobs, stats
 
     def fisher_logits(self, batch: RolloutBatch) -> Tensor:
-        """``[N, T, V]`` float32 raw logits of the positions that predict the response tokens, carrying the graph:
-        those of ``vocab_logprobs``'s forward (the same function of the weights, equal to rounding), with each
-        distinct prompt through the network once (``base.shared_prompt_forward``, whatever the module's
-        ``share_prompt_forward``: every position saved here is saved in each of the conjugate gradient's products).
-
-        On ``configs/trpo.yaml`` (16 prompts x 8, 7 prompt + 4 response positions) that is 496 positions through
-        the network instead of 1408. Where sharing cannot apply (no repeated prompts, dropout active, gradient
-        checkpointing, a cache other than a plain ``DynamicCache``) it is ``vocab_logprobs``'s forward. SDPA runs
-        on the math backend, as there (the products need a backward of a backward).
-        """
-        width = batch.input_ids.shape[1] - batch.prompt_length  # T
-        with sdpa_kernel(SDPBackend.MATH):
-            shared = shared_prompt_forward(self.policy, batch.input_ids, batch.attention_mask, batch.prompt_length)
-            if shared is not None:
-                return shared[0].float()
-            out = self.policy(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                              position_ids=position_ids_from_mask(batch.attention_mask.long()),
-                              logits_to_keep=width + 1, use_cache=False)
-        return out.logits[:, :-1].float()
+        """``[N, T, V]`` logits for the Gauss-Newton products, each distinct prompt through the network once
+        (``natural_gradient.fisher_logits``)."""
+        return fisher_logits(self.policy, batch)
 
     def fisher_vector_product(self, batch: RolloutBatch, damping: float | None = None,
                               method: FisherProduct | None = None) -> Callable[[Tensor], Tensor]:
@@ -281,32 +251,6 @@ class TRPO(RLModule):
             old = sampling_log_softmax(logits, batch.temperature, batch.top_p, keep=batch.response_ids)
         return gauss_newton_vector_product(logits, old, batch.loss_mask, params, batch.temperature, damping)
 
-    def critic_values(self, batch: RolloutBatch) -> Tensor:
-        """``[N, T]`` critic values (masked). In shared mode the head reads the policy's detached hidden states."""
-        hidden = None
-        if self.critic.mode == "shared":
-            with torch.no_grad():
-                hidden = self.forward_policy(batch, with_hidden=True).hidden
-        values = self.critic.values(batch.input_ids, batch.attention_mask, position_ids_from_mask(batch.attention_mask),
-                                    batch.prompt_length, hidden=hidden)
-        return values.float() * batch.loss_mask
-
-    def fit_critic(self, batch: RolloutBatch, weights: Tensor, optimizer: Any) -> dict[str, list[Tensor]]:
-        """``critic_steps`` Adam steps on ``Σ w ½ (V - R)²`` toward the GAE returns (inner steps: not counted)."""
-        stats: dict[str, list[Tensor]] = {
-            "train/explained_variance": [explained_variance(batch.values, batch.returns, batch.loss_mask)]
-        }
-        for _ in range(self.critic_steps):
-            optimizer.zero_grad()
-            loss, _ = clipped_value_loss(self.critic_values(batch), batch.values, batch.returns, batch.loss_mask,
-                                         weights, None)
-            self._check_finite(loss.detach(), "value loss", 0, 0)
-            self.manual_backward(loss)
-            optimizer.optimizer.step()  # the raw torch step: only the policy step counts as the global step
-            stats.setdefault("train/value_loss", []).append(loss.detach())
-        optimizer.zero_grad()
-        return stats
-
     # ------------------------------------------------------------------ the update
     @override
     def update(self, batch: RolloutBatch, advantages: Tensor, weights: Tensor) -> dict[str, list[Tensor]]:
@@ -314,8 +258,8 @@ class TRPO(RLModule):
         optimizers = self.optimizers()
         policy_opt = optimizers[0] if isinstance(optimizers, list) else optimizers
         stats: dict[str, list[Tensor]] = {}
-        if self.critic is not None:
-            stats.update(self.fit_critic(batch, weights, optimizers[1]))
+        if self.critic is not None:  # ActorCritic's schedule: critic_steps full-batch Adam steps on ½ (V - R)²
+            stats.update({**self.critic_metrics(batch), **self.fit_critic(batch, weights, optimizers[1])})
         params = self.trainable_parameters()
         mask = batch.loss_mask
 
@@ -330,24 +274,15 @@ class TRPO(RLModule):
         grads = torch.autograd.grad(surrogate, params, retain_graph=reuse, allow_unused=True)
         g = torch.cat([(gr if gr is not None else torch.zeros_like(p)).reshape(-1) for gr, p in zip(grads, params)])
 
-        # natural direction x = F⁻¹ g by CG (float64), scaled to the edge of the quadratic trust region
-        sub = batch  # a sub-batch's forward only, so that each product is cheaper too
-        if self.fisher_subsample > 1:
-            sub = batch.select(torch.arange(0, batch.num_rows, self.fisher_subsample, device=mask.device))
-        if self.fisher_product == "double_backward":
-            if self.fisher_subsample == 1:
-                fisher_kl = categorical_kl(old_logp, new_logp, mask)
-            else:
-                sub_logp = self.vocab_logprobs(sub)
-                fisher_kl = categorical_kl(sub_logp.detach(), sub_logp, sub.loss_mask)
-            fvp = fisher_vector_product(fisher_kl, params, self.damping)
-            x = conjugate_gradient(fvp, g.double(), self.cg_iters)
-            fx = fvp(x)
-            del fisher_kl
-        else:
-            fvp = self.fisher_vector_product(sub, method="gauss_newton")
-            x, residual = conjugate_gradient(fvp, g.double(), self.cg_iters, with_residual=True)
-            fx = g.double() - residual  # (F + damping) x = g - r: no product for it
+        # natural direction x = F⁻¹ g by CG (float64), scaled to the edge of the quadratic trust region; the
+        # products on every fisher_subsample-th row only (a sub-batch's forward, so each product is cheaper too)
+        sub = batch if self.fisher_subsample == 1 else batch.select(
+            torch.arange(0, batch.num_rows, self.fisher_subsample, device=mask.device))
+        fvp = (fisher_vector_product(categorical_kl(old_logp, new_logp, mask), params, self.damping) if reuse
+               else self.fisher_vector_product(sub))
+        x, residual = conjugate_gradient(fvp, g.double(), self.cg_iters, with_residual=True)
+        # Gauss-Newton: (F + damping) x = g - r, no product for it; double backward: measured, as originally
+        fx = g.double() - residual if self.fisher_product == "gauss_newton" else fvp(x)
         scale = trust_region_scale(x, fx, self.delta)
         full_step = (scale * x).to(g.dtype)  # [D]
         if not torch.isfinite(full_step).all():
@@ -356,30 +291,17 @@ class TRPO(RLModule):
         del fvp, grads, new_logp, sub  # free the products' graphs before the line search
         surrogate, logprobs = surrogate.detach(), logprobs.detach()
         # backtracking line search on the real KL and surrogate; the weights are restored afterwards
-        theta_old = parameters_to_vector(params).detach().clone()
-        accepted: tuple[int, Tensor, Tensor, Tensor] | None = None
-        with torch.no_grad():
-            s_old = surrogate
-            for k in range(self.backtrack_iters + 1):
-                step = full_step * self.backtrack_coeff ** k
-                self._write(params, theta_old + step)
-                trial_logp = self.vocab_logprobs(batch)
-                kl = categorical_kl(old_logp, trial_logp, mask)
-                improvement = self.objective(batch, trial_logp, advantages, weights)[0] - s_old
-                if self.accept_step(improvement, kl):
-                    accepted = (k, step, kl, improvement)
-                    break
-            self._write(params, theta_old)
+        s_old = surrogate
 
-        # apply it through Lightning: SGD(lr=1) with grad = -step, exactly one counted step per rollout batch
-        policy_opt.zero_grad()
-        offset = 0
-        for p in params:
-            n = p.numel()
-            p.grad = (-accepted[1][offset:offset + n]).view_as(p).clone() if accepted else torch.zeros_like(p)
-            offset += n
-        policy_opt.step()
-        policy_opt.zero_grad()
+        def evaluate() -> tuple[Tensor, Tensor]:
+            trial_logp = self.vocab_logprobs(batch)
+            improvement = self.objective(batch, trial_logp, advantages, weights)[0] - s_old
+            return improvement, categorical_kl(old_logp, trial_logp, mask)
+
+        accepted = backtracking_line_search(params, full_step, evaluate, self.accept_step, self.backtrack_iters,
+                                            self.backtrack_coeff)
+
+        apply_step(policy_opt, params, accepted[1] if accepted else None)  # one counted step per rollout batch
 
         with torch.no_grad():
             p_old = old_logp.exp()
@@ -400,13 +322,3 @@ class TRPO(RLModule):
             for key, value in term_stats.items():
                 stats[key] = [value.detach().float()]
         return stats
-
-    @staticmethod
-    def _write(params: list[nn.Parameter], vector: Tensor) -> None:
-        """Copy ``vector`` into ``params`` in place (keeps each parameter's own storage, unlike
-        ``vector_to_parameters``, which would make them views of one shared vector)."""
-        offset = 0
-        for p in params:
-            n = p.numel()
-            p.copy_(vector[offset:offset + n].view_as(p))
-            offset += n

@@ -118,20 +118,27 @@ def clipped_policy_loss(
     ratio = torch.exp(log_ratio)  # [B, T]
     objective = clipped_surrogate(ratio, advantages, eps_low, eps_high)  # [B, T]
     loss = -aggregate(objective, weights)
-    with torch.no_grad():
-        adv = advantages.expand_as(ratio)
-        maskb = mask.bool()
-        low = (ratio < 1.0 - eps_low) & (adv < 0) & maskb
-        high = (ratio > 1.0 + eps_high) & (adv > 0) & maskb
-        count = mask.sum().clamp(min=1.0)
-        stats = PolicyLossStats(
-            clip_fraction=(low | high).sum() / count,
-            clip_fraction_low=low.sum() / count,
-            clip_fraction_high=high.sum() / count,
-            ratio_mean=(ratio * mask).sum() / count,
-            approx_kl=(kl_estimate(old_logprobs, logprobs.detach(), "k3") * mask).sum() / count,
-        )
-    return loss, stats
+    return loss, clip_statistics(ratio, advantages, mask, eps_low, eps_high, logprobs, old_logprobs)
+
+
+@torch.no_grad()
+def clip_statistics(ratio: Tensor, advantages: Tensor, mask: Tensor, eps_low: float, eps_high: float,
+                    logprobs: Tensor, old_logprobs: Tensor) -> PolicyLossStats:
+    """Token means over ``mask`` of where the clipped branch of ``clipped_surrogate`` wins (below: ``ρ < 1 - eps_low``
+    with ``A < 0``; above: ``ρ > 1 + eps_high`` with ``A > 0``), the mean ratio and the k3 estimate of
+    KL(π_old ‖ π_θ); detached."""
+    adv = (advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages).expand_as(ratio)
+    maskb = mask.bool()
+    low = (ratio < 1.0 - eps_low) & (adv < 0) & maskb
+    high = (ratio > 1.0 + eps_high) & (adv > 0) & maskb
+    count = mask.sum().clamp(min=1.0)
+    return PolicyLossStats(
+        clip_fraction=(low | high).sum() / count,
+        clip_fraction_low=low.sum() / count,
+        clip_fraction_high=high.sum() / count,
+        ratio_mean=(ratio * mask).sum() / count,
+        approx_kl=(kl_estimate(old_logprobs.detach(), logprobs.detach(), "k3") * mask).sum() / count,
+    )
 
 
 class PolicyGradientStats(NamedTuple):

@@ -316,3 +316,38 @@ def gauss_newton_vector_product(
         return flat + damping * v
 
     return product
+
+
+def write_parameters_(params: Sequence[Tensor], vector: Tensor) -> None:
+    """Copy the flat ``vector`` into ``params`` in place, in order (each keeps its own storage, unlike
+    ``torch.nn.utils.vector_to_parameters``, which makes them views of one shared vector)."""
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            n = p.numel()
+            p.copy_(vector[offset:offset + n].view_as(p))
+            offset += n
+
+
+def backtracking_line_search(
+    params: Sequence[Tensor], full_step: Tensor, evaluate: Callable[[], tuple[Tensor, Tensor]],
+    accept: Callable[[Tensor, Tensor], bool], backtrack_iters: int, coeff: float,
+) -> tuple[int, Tensor, Tensor, Tensor] | None:
+    """TRPO's line search (spec 003, §4): try ``θ_old + c^k s`` for ``k = 0 .. backtrack_iters`` and keep the first
+    trial that ``accept(improvement, kl)`` takes, ``(improvement, kl) = evaluate()`` measured at the trial weights.
+
+    Returns ``(k, step, kl, improvement)`` of the accepted trial or ``None``; either way the parameters are put back
+    to ``θ_old`` bit for bit (the caller applies the step).
+    """
+    theta_old = torch.cat([p.detach().reshape(-1) for p in params]).clone()
+    accepted = None
+    with torch.no_grad():
+        for k in range(backtrack_iters + 1):
+            step = full_step * coeff ** k
+            write_parameters_(params, theta_old + step)
+            improvement, kl = evaluate()
+            if accept(improvement, kl):
+                accepted = (k, step, kl, improvement)
+                break
+        write_parameters_(params, theta_old)
+    return accepted
