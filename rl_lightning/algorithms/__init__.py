@@ -1,8 +1,10 @@
 """One LightningModule per method; ``RLModule`` is the shared base."""
 
 from rl_lightning.algorithms.base import HeldoutObserver, LossTerm, NonFiniteLossError, PolicyOutput, RLModule
+from rl_lightning.algorithms.bpco import BPCO
 from rl_lightning.algorithms.cope import CoPE
 from rl_lightning.algorithms.critic import ActorCritic
+from rl_lightning.algorithms.easyppo import EasyPPO
 from rl_lightning.algorithms.flash_reinforce import FlashREINFORCE
 from rl_lightning.algorithms.grpo import GRPO
 from rl_lightning.algorithms.pg import PolicyGradient
@@ -14,6 +16,6 @@ from rl_lightning.algorithms.spo import SPO
 from rl_lightning.algorithms.stable_reinforce import StableReinforce
 from rl_lightning.algorithms.trpo import TRPO
 
-__all__ = ["ActorCritic", "CoPE", "FlashREINFORCE", "GRPO", "PPO", "REINFORCE", "RLOO", "SPO", "ScoreCentering", "StableReinforce",
+__all__ = ["ActorCritic", "BPCO", "CoPE", "EasyPPO", "FlashREINFORCE", "GRPO", "PPO", "REINFORCE", "RLOO", "SPO", "ScoreCentering", "StableReinforce",
            "TRPO", "HeldoutObserver", "LossTerm",
            "NonFiniteLossError", "PolicyGradient", "PolicyOutput", "RLModule"]

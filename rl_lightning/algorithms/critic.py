@@ -119,10 +119,17 @@ class ActorCritic(RLModule):
         with torch.no_grad():
             return self.critic_values(batch)
 
+    def value_loss_weights(self, batch: RolloutBatch) -> Tensor | None:
+        """``[n]`` per-row weights of the value loss (``None``: all 1) -- EasyPPO's noise weights. A hook."""
+        return None
+
     def value_loss(self, batch: RolloutBatch, values: Tensor, weights: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-        """The critic's loss on ``batch``'s rows toward ``batch.returns`` and its metrics (a hook: EasyPPO weights
-        it). Default: ``clipped_value_loss`` with ``value_clip`` around ``batch.values`` (``train/value_clip_fraction``
-        logged when there is a clip)."""
+        """The critic's loss on ``batch``'s rows toward ``batch.returns`` and its metrics (a hook): by default
+        ``clipped_value_loss`` with ``value_clip`` around ``batch.values``, the aggregation ``weights`` times
+        ``value_loss_weights`` (``train/value_clip_fraction`` logged when there is a clip)."""
+        rows = self.value_loss_weights(batch)
+        if rows is not None:
+            weights = weights * rows.to(weights.dtype).unsqueeze(-1)
         loss, stats = clipped_value_loss(values, batch.values, batch.returns, batch.loss_mask, weights,
                                          self.value_clip)
         metrics = {"train/value_loss": loss.detach()}

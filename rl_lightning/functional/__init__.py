@@ -14,6 +14,13 @@ from rl_lightning.functional.advantages import (
     outcome_gae,
     outcome_token_rewards,
 )
+from rl_lightning.functional.critics import (
+    band_mask_weights,
+    bounded_value,
+    divergence_clip_bounds,
+    length_adaptive_lambda,
+    variance_weights,
+)
 from rl_lightning.functional.forecasting import forecast_loss, forecast_pairs, forecast_weights
 from rl_lightning.functional.gates import bernoulli_kl, trajectory_gate
 from rl_lightning.functional.kl import KLKind, kl_estimate
@@ -64,6 +71,11 @@ from rl_lightning.functional.trpo import (
 )
 
 __all__ = [
+    "variance_weights",
+    "length_adaptive_lambda",
+    "divergence_clip_bounds",
+    "bounded_value",
+    "band_mask_weights",
     "sampling_logprobs_at",
     "truncated_importance_weights",
     "tail_ratio",

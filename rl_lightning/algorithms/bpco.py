@@ -1,0 +1,99 @@
+"""BPCO (spec 000, "Changing what critics see", BPCO; NOTES §12, §20): PPO whose critic is grounded in observed
+outcomes and whose clip bounds an absolute probability change.
+
+* **Grounded, bounded critic**: ``R_min <= V(s_t) <= R_max`` (the bounded head of ``ActorCritic``:
+  ``V = R_min + (R_max - R_min) sigmoid(h)``), fitted to the observed final reward, ``L_V = E[(V(s_t) - R)^2]``
+  (``λ_V = 1``: the target at every token is the discounted reward-to-go, ``R`` with ``γ = 1``; never a target
+  built from the critic's own predictions);
+* **length-adaptive actor GAE**: ``λ_π(L) = clamp(1 - 1/(α L), 0, 1)`` per response of ``L`` generated tokens
+  (``functional.length_adaptive_lambda``: ``Σ_t λ^t = 1/(1-λ) = αL``), raw advantages (no division by the batch
+  std);
+* **divergence clipping**: the ratio ``ρ = π_θ/μ`` is clipped to ``[1 - ε/p_t, 1 + ε/p_t]``, ``p_t = μ(a_t|s_t)``
+  the rollout probability of the sampled token (``functional.divergence_clip_bounds``): the boundaries are an
+  absolute probability change ``|π_θ - μ| = ε``; in PPO's min form, so past the boundary in the advantage's
+  direction the token's gradient is zero. Only ``policy_objective`` changes; the value loss and the entropy
+  bonus are PPO's.
+
+Not implemented: the spec's optional reference answers or rubrics shown to the critic only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+from typing_extensions import override
+
+from rl_lightning.algorithms.base import PolicyOutput
+from rl_lightning.algorithms.ppo import PPO
+from rl_lightning.functional import (
+    clip_statistics,
+    divergence_clip_bounds,
+    gae,
+    length_adaptive_lambda,
+    masked_whiten,
+    outcome_token_rewards,
+)
+from rl_lightning.rollout.batch import RolloutBatch
+
+
+class BPCO(PPO):
+    """Bounded-value PPO with length-adaptive GAE and divergence clipping (see the module docstring).
+
+    Args:
+        alpha: α of ``λ_π(L) = 1 - 1/(α L)`` (NOTES' tiny default 0.5: λ >= 0 from L = 2; VAPO's 0.05 suits
+            thousand-token responses).
+        divergence_eps: ε, the largest absolute change of a sampled token's probability the clip lets pay off.
+        value_bounds: ``[R_min, R_max]`` of the bounded value head (the verifier's reward range).
+        value_clip: ε_v of the value loss (default ``None``: the plain ``(V - R)^2`` of the spec).
+        whiten_advantages: default ``False``: the spec keeps raw GAE advantages.
+        **kwargs: ``PPO`` arguments (``clip_eps_low``/``clip_eps_high`` play no part: the divergence interval
+            replaces them).
+
+    Logs ``train/lambda_mean`` (the mean ``λ_π`` of the batch's responses) besides PPO's metrics; the clip
+    fractions count the tokens past the divergence interval.
+    """
+
+    def __init__(self, alpha: float = 0.5, divergence_eps: float = 0.1,
+                 value_bounds: tuple[float, float] | None = (0.0, 1.0), value_clip: float | None = None,
+                 whiten_advantages: bool = False, **kwargs: Any) -> None:
+        super().__init__(value_bounds=value_bounds, value_clip=value_clip, whiten_advantages=whiten_advantages,
+                         **kwargs)
+        if not alpha > 0 or not divergence_eps > 0:
+            raise ValueError(f"BPCO: alpha and divergence_eps must be > 0, got {alpha}, {divergence_eps}")
+        self.alpha, self.divergence_eps = float(alpha), float(divergence_eps)
+
+    @override
+    def compute_advantages(self, batch: RolloutBatch) -> Tensor:
+        mask = batch.loss_mask
+        values = self.rollout_values(batch)  # V_old, [N, T]
+        rewards = outcome_token_rewards(batch.rewards.float(), mask)
+        lam = length_adaptive_lambda(mask.sum(dim=1), self.alpha)  # [N], one λ per response
+        advantages, _ = gae(rewards, values, mask, self.gamma, lam)
+        if self.whiten_advantages:  # opt-in; the spec's BPCO keeps raw advantages
+            advantages = masked_whiten(advantages, mask)
+        # λ_V = 1 with the values set to 0: the discounted reward-to-go itself, not a bootstrapped target
+        _, returns = gae(rewards, torch.zeros_like(values), mask, self.gamma, 1.0)
+        batch.values, batch.returns = values, returns
+        batch.extras["bpco_lambda"] = lam
+        return advantages
+
+    @override
+    def policy_objective(self, batch: RolloutBatch, out: PolicyOutput,
+                         advantages: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        mask = batch.loss_mask
+        old = batch.sampler_logprobs.detach()
+        ratio = torch.exp((out.logprobs - old) * mask)
+        low, high = divergence_clip_bounds(old, self.divergence_eps)  # [1 - ε/p, 1 + ε/p]
+        adv = advantages.detach()
+        objective = torch.minimum(ratio * adv, torch.clamp(ratio, low, high) * adv)
+        stats = clip_statistics(ratio, adv, mask, 1.0 - low, high - 1.0, out.logprobs, old)
+        metrics = {
+            "train/clip_fraction": stats.clip_fraction, "train/clip_fraction_low": stats.clip_fraction_low,
+            "train/clip_fraction_high": stats.clip_fraction_high, "train/approx_kl": stats.approx_kl,
+            "train/ratio_mean": stats.ratio_mean,
+        }
+        if "bpco_lambda" in batch.extras:
+            metrics["train/lambda_mean"] = batch.extras["bpco_lambda"].float().mean()
+        return objective, metrics

@@ -1,0 +1,79 @@
+"""EasyPPO (spec 000, "Stabilizing policy updates", EasyPPO; NOTES §16, §20, reference ``EasyPPO/EasyPPO``): PPO
+with three changes to how the critic and the actor see the batch.
+
+* **Actor-only truncation filter**: ``C_i = 1`` when response ``i`` finished within the length limit; the actor's
+  advantages are multiplied by ``C_i`` (a truncated response has exactly zero actor gradient), while every rollout
+  still trains the critic, which so learns ``E[R | s]`` rather than ``E[R | s, C = 1]``.
+* **Noise-weighted critic loss**: each row's value loss is weighted by its prompt's
+  ``w_x = max(Var_pop(R_x), w_min)^(-β)``, normalised to mean 1 over the batch (``functional.variance_weights``;
+  β = 0.5): high-variance prompts count less, their targets unchanged.
+* **Smaller critic minibatches**: the critic is trained in its own passes of ``critic_minibatches`` minibatches
+  (the reference: 4 per rollout batch), each gradient clipped to ``critic_max_grad_norm`` (``ActorCritic``'s
+  schedule), so an outlier suppresses only its own minibatch through the shared rescaling.
+
+The actor keeps PPO's clipped objective. A critic-only warm-up (the reference: 30 steps) is the ``CriticWarmup``
+callback; ``configs/easyppo.yaml`` uses it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+from typing_extensions import override
+
+from rl_lightning.algorithms.ppo import PPO
+from rl_lightning.functional import variance_weights
+from rl_lightning.rollout.batch import RolloutBatch
+
+_WEIGHTS = "easyppo_value_weights"  # batch.extras key of the rows' critic weights [N]
+
+
+class EasyPPO(PPO):
+    """PPO with the actor-only truncation filter, noise-weighted critic loss and small clipped critic minibatches.
+
+    Args:
+        variance_floor: ``w_min``, the floor on the group's reward variance (the reference: 0.25 or 0.075; for 0/1
+            rewards the variance lies in ``[0, 0.25]``, so 0.25 makes every weight equal).
+        variance_beta: β of ``w = max(Var, w_min)^(-β)``.
+        filter_truncated: apply ``C_i`` to the actor (``False``: every response trains the actor, as PPO).
+        critic_updates, critic_minibatches, critic_max_grad_norm: ``ActorCritic``'s schedule; the defaults are the
+            reference's (one critic pass of 4 minibatches per rollout batch, each clipped to norm 1).
+        **kwargs: ``PPO`` arguments. Needs ``data.group_size >= 2`` (a prompt's reward variance).
+
+    Logs ``train/kept_for_actor`` (the fraction of rows with ``C_i = 1``) and ``train/value_weight_max``.
+    """
+
+    min_group_size = 2
+
+    def __init__(self, variance_floor: float = 0.075, variance_beta: float = 0.5, filter_truncated: bool = True,
+                 critic_updates: int = 1, critic_minibatches: int = 4, critic_max_grad_norm: float | None = 1.0,
+                 **kwargs: Any) -> None:
+        super().__init__(critic_updates=critic_updates, critic_minibatches=critic_minibatches,
+                         critic_max_grad_norm=critic_max_grad_norm, **kwargs)
+        if not variance_floor > 0 or variance_beta < 0:
+            raise ValueError(f"EasyPPO: need variance_floor > 0 and variance_beta >= 0, got {variance_floor}, "
+                             f"{variance_beta}")
+        self.variance_floor, self.variance_beta = float(variance_floor), float(variance_beta)
+        self.filter_truncated = filter_truncated
+
+    @override
+    def compute_advantages(self, batch: RolloutBatch) -> Tensor:
+        advantages = super().compute_advantages(batch)  # GAE over every row: the critic's returns keep them all
+        batch.extras[_WEIGHTS] = variance_weights(batch.rewards.float(), batch.group_size, self.variance_floor,
+                                                  self.variance_beta)
+        if self.filter_truncated:
+            advantages = advantages * (~batch.truncated).to(advantages.dtype).unsqueeze(-1)  # C_i on the actor only
+        return advantages
+
+    @override
+    def update(self, batch: RolloutBatch, advantages: Tensor, weights: Tensor) -> dict[str, list[Tensor]]:
+        stats = super().update(batch, advantages, weights)
+        stats["train/kept_for_actor"] = [(~batch.truncated).float().mean()]
+        stats["train/value_weight_max"] = [batch.extras[_WEIGHTS].float().max()]
+        return stats
+
+    @override
+    def value_loss_weights(self, batch: RolloutBatch) -> Tensor | None:
+        """Each row's ``w_x`` (``functional.variance_weights``, fixed once per rollout batch)."""
+        return batch.extras[_WEIGHTS]

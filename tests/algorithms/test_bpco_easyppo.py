@@ -1,0 +1,112 @@
+"""BPCO and EasyPPO (spec 000, "Changing what critics see" / "Stabilizing policy updates"): their advantages,
+critic targets, clip interval, truncation filter and critic weights, on hand batches through the modules."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from rl_lightning.algorithms import BPCO, PPO, EasyPPO, PolicyOutput
+from rl_lightning.functional import variance_weights
+from rl_lightning.rollout import RolloutBatch
+
+
+def _batch(lengths: list[int], rewards: list[float], group_size: int = 2, width: int = 4,
+           truncated: list[bool] | None = None) -> RolloutBatch:
+    n, prompt = len(lengths), 3
+    gen = torch.Generator().manual_seed(0)
+    mask = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).long()
+    ids = torch.randint(3, 99, (n, prompt + width), generator=gen)
+    attention = torch.cat([torch.ones(n, prompt, dtype=torch.long), mask], dim=1)
+    return RolloutBatch(
+        input_ids=ids * attention, attention_mask=attention, prompt_length=prompt, loss_mask=mask,
+        sampler_logprobs=torch.full((n, width), math.log(0.5)) * mask, rewards=torch.tensor(rewards),
+        group_size=group_size, prompt_index=torch.arange(n) // group_size,
+        truncated=torch.tensor(truncated if truncated is not None else [False] * n),
+    )
+
+
+def test_bpco_advantages_use_each_responses_own_lambda_and_the_critic_targets_the_final_reward():
+    torch.manual_seed(0)
+    module = BPCO(model_name_or_path="embedded:random", alpha=0.5)
+    batch = _batch([4, 2, 3, 1], [1.0, 0.0, 1.0, 0.0])
+    advantages = module.compute_advantages(batch)
+    # the bounded head starts at the middle of [0, 1]: V = 0.5 on every generated token, so every TD error is 0
+    # but the last one, R - 0.5, and A_t = λ(L)^(L-1-t) (R - 0.5) with λ(L) = max(1 - 1/(0.5 L), 0)
+    for row, (length, reward) in enumerate([(4, 1.0), (2, 0.0), (3, 1.0), (1, 0.0)]):
+        lam = max(1 - 1 / (0.5 * length), 0.0)
+        want = torch.tensor([lam ** (length - 1 - t) * (reward - 0.5) for t in range(length)])
+        torch.testing.assert_close(advantages[row, :length], want, rtol=4 * 2**-24, atol=2**-24)
+        assert (advantages[row, length:] == 0).all()
+        # λ_V = 1, γ = 1: the critic's target is the observed final reward at every token, exactly
+        assert (batch.returns[row, :length] == reward).all()
+    assert torch.equal(batch.values[batch.loss_mask.bool()], torch.full((10,), 0.5))  # raw, unwhitened
+
+
+def _objective_grad(module, p: float, pi: float, advantage: float) -> tuple[float, float]:
+    """``(objective, d objective / d log π)`` at one token with rollout probability ``p`` and learner ``π``."""
+    batch = _batch([1], [0.0], group_size=1, width=1)
+    batch.sampler_logprobs = torch.tensor([[math.log(p)]])
+    logprobs = torch.tensor([[math.log(pi)]], requires_grad=True)
+    objective, _ = module.policy_objective(batch, PolicyOutput(logprobs), torch.tensor([[advantage]]))
+    (grad,) = torch.autograd.grad(objective.sum(), logprobs)
+    return float(objective), float(grad)
+
+
+def test_bpco_clip_interval_is_an_absolute_probability_change_of_eps():
+    module = BPCO(model_name_or_path="embedded:random", divergence_eps=0.1)
+    # p = 0.5: ρ ∈ [0.8, 1.2] ⇔ |π - p| <= 0.1
+    value, grad = _objective_grad(module, 0.5, 0.55, 1.0)  # inside: ρ A, gradient ρ A
+    assert math.isclose(value, 1.1, rel_tol=1e-6) and math.isclose(grad, 1.1, rel_tol=1e-6)
+    value, grad = _objective_grad(module, 0.5, 0.65, 1.0)  # |Δp| = 0.15 > ε in A's direction: clipped, no gradient
+    assert math.isclose(value, 1.2, rel_tol=1e-6) and grad == 0.0
+    value, grad = _objective_grad(module, 0.5, 0.35, -1.0)  # below, with A < 0: clipped at 1 - ε/p = 0.8
+    assert math.isclose(value, -0.8, rel_tol=1e-6) and grad == 0.0
+    _, grad = _objective_grad(module, 0.5, 0.35, 1.0)  # below with A > 0: moving back is never clipped
+    assert math.isclose(grad, 0.7, rel_tol=1e-6)
+    # a rare token: p = 0.05, ρ = 2.5 is a change of only 0.075 < ε: unclipped, where PPO's [0.8, 1.2] clips it
+    _, grad = _objective_grad(module, 0.05, 0.125, 1.0)
+    assert math.isclose(grad, 2.5, rel_tol=1e-6)
+    ppo = PPO(model_name_or_path="embedded:random")
+    assert _objective_grad(ppo, 0.05, 0.125, 1.0)[1] == 0.0
+
+
+def test_easyppo_a_truncated_response_trains_the_critic_and_not_the_actor():
+    torch.manual_seed(0)
+    module = EasyPPO(model_name_or_path="embedded:random", critic="separate", whiten_advantages=False)
+    batch = _batch([4, 4, 3, 2], [1.0, 0.0, 1.0, 0.0], truncated=[True, False, False, False])
+    advantages = module.compute_advantages(batch)
+    assert (advantages[0] == 0).all() and (advantages[1:] != 0).any()
+    weights = module.loss_weights(batch)
+    loss, _ = module.policy_loss(batch, module.forward_policy(batch), advantages, weights)
+    row0 = batch.select(torch.tensor([0]))
+    actor_loss, _ = module.policy_loss(row0, module.forward_policy(row0), advantages[:1], weights[:1])
+    grads = torch.autograd.grad(actor_loss, list(module.policy.parameters()), allow_unused=True)
+    assert all(g is None or (g == 0).all() for g in grads)  # the truncated row moves the actor not at all
+    value_loss, _ = module.value_loss(row0, module.critic_values(row0), weights[:1])
+    head = torch.autograd.grad(value_loss, module.critic.head.proj.bias)[0]
+    assert head.abs().item() > 0  # ... and still trains the critic toward its (truncation) reward
+
+
+def test_easyppo_value_loss_with_equal_variances_is_the_plain_value_loss_and_otherwise_the_weighted_one():
+    torch.manual_seed(0)
+    module = EasyPPO(model_name_or_path="embedded:random", critic="separate", variance_floor=0.01, value_clip=None)
+    plain = PPO(model_name_or_path="embedded:random", critic="separate", value_clip=None)
+    for rewards, equal in (([0.0, 1.0, 1.0, 0.0], True), ([0.0, 1.0, 0.5, 0.5], False)):
+        batch = _batch([4, 4, 3, 2], rewards)
+        module.compute_advantages(batch)
+        weights = module.loss_weights(batch)
+        values = torch.rand(batch.loss_mask.shape, generator=torch.Generator().manual_seed(1)) * batch.loss_mask
+        ours, _ = module.value_loss(batch, values, weights)
+        base, _ = plain.value_loss(batch, values, weights)
+        row = variance_weights(batch.rewards, 2, 0.01, 0.5).unsqueeze(-1)
+        assert torch.equal(module.value_loss_weights(batch), row.squeeze(-1))
+        if equal:
+            torch.testing.assert_close(ours, base)
+        else:
+            # Var = 0.25 and 0 (floored at 0.01): w ∝ 2 and 10, normalised to mean 1 -> [1/3, 1/3, 5/3, 5/3]
+            torch.testing.assert_close(row.squeeze(-1), torch.tensor([1 / 3, 1 / 3, 5 / 3, 5 / 3]))
+            weighted = (0.5 * (values - batch.returns) ** 2 * batch.loss_mask * weights * row).sum()
+            torch.testing.assert_close(ours, weighted)
+            assert not torch.allclose(ours, base)
