@@ -14,7 +14,9 @@ outcomes and whose clip bounds an absolute probability change.
   direction the token's gradient is zero. Only ``policy_objective`` changes; the value loss and the entropy
   bonus are PPO's.
 
-Not implemented: the spec's optional reference answers or rubrics shown to the critic only.
+The spec's optional reference answers or rubrics that enter only the critic: ``critic: separate`` with
+``critic_reference: "answer: {answer}\n"`` (``ActorCritic``: the critic reads the filled template before each
+prompt; the policy never sees it).
 """
 
 from __future__ import annotations

@@ -14,7 +14,9 @@ time, and its training schedule:
   value head learns from it; the actor's loss has no value term.
 
 Critic-only warm-up steps and frozen critic modules (attention) are the ``CriticWarmup`` and
-``FreezeCriticModules`` callbacks, which work on ``module.critic`` of any subclass. A method changes the value
+``FreezeCriticModules`` callbacks, which work on ``module.critic`` of any subclass. Under DDP a critic-only
+backward leaves the policy's parameters without gradients, so ``critic_updates > 0`` (like those callbacks) needs
+``strategy: ddp_find_unused_parameters_true``; not validated at scale. A method changes the value
 loss through ``value_loss`` (EasyPPO's noise weights) and the targets in ``compute_advantages`` (BPCO's observed
 final rewards).
 """
@@ -31,6 +33,7 @@ from rl_lightning.algorithms.base import PolicyOutput, RLModule
 from rl_lightning.functional import clipped_value_loss, explained_variance
 from rl_lightning.models.value import Critic, CriticMode, build_critic
 from rl_lightning.rollout.batch import RolloutBatch
+from rl_lightning.rollout.episodes import left_pad
 from rl_lightning.rollout.generation import position_ids_from_mask
 
 
@@ -49,6 +52,9 @@ class ActorCritic(RLModule):
             added to the policy loss instead).
         critic_minibatches: minibatches (optimiser steps) per critic pass; must divide the rows per device.
         critic_max_grad_norm: gradient-norm clip of each critic minibatch (``None``: no clip).
+        critic_reference: a text template the separate critic reads before each prompt, filled with the prompt's
+            reference answer (``{answer}``; BPCO's "reference answers or rubrics enter only the critic"), e.g.
+            ``"answer: {answer}\n"``; the policy never sees it. ``None``: the critic reads what the policy reads.
         **kwargs: ``RLModule`` arguments.
     """
 
@@ -62,6 +68,7 @@ class ActorCritic(RLModule):
         critic_updates: int = 0,
         critic_minibatches: int = 1,
         critic_max_grad_norm: float | None = None,
+        critic_reference: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -76,6 +83,11 @@ class ActorCritic(RLModule):
         self.critic_lr, self.value_clip = critic_lr, value_clip
         self.critic_updates, self.critic_minibatches = critic_updates, critic_minibatches
         self.critic_max_grad_norm = critic_max_grad_norm
+        if critic_reference is not None and (critic != "separate" or "{answer}" not in critic_reference):
+            raise ValueError(f"{name}: critic_reference needs critic: separate (a head on the policy would let the "
+                             f"policy read it) and an {{answer}} field, got critic={critic!r}, "
+                             f"critic_reference={critic_reference!r}")
+        self.critic_reference = critic_reference
         self.critic: Critic | None = None
         if critic is not None:
             bounds = None if value_bounds is None else (float(value_bounds[0]), float(value_bounds[1]))
@@ -110,9 +122,28 @@ class ActorCritic(RLModule):
         if self.critic.mode == "shared" and hidden is None:
             with torch.set_grad_enabled(torch.is_grad_enabled() and not detach_hidden):
                 hidden = self.forward_policy(batch, with_hidden=True).hidden
-        values = self.critic.values(batch.input_ids, batch.attention_mask, position_ids_from_mask(batch.attention_mask),
-                                    batch.prompt_length, hidden=hidden)
+        ids, mask, prompt_length = self.critic_inputs(batch)
+        values = self.critic.values(ids, mask, position_ids_from_mask(mask), prompt_length, hidden=hidden)
         return values.float() * batch.loss_mask
+
+    def critic_inputs(self, batch: RolloutBatch) -> tuple[Tensor, Tensor, int]:
+        """``(ids, attention mask, prompt length)`` the critic reads: the batch's own, or with ``critic_reference``
+        each row's prompt preceded by the filled template (the rows re-left-padded; the response columns and so
+        the positions of the values stay those of the batch)."""
+        if self.critic_reference is None:
+            return batch.input_ids, batch.attention_mask, batch.prompt_length
+        if len(batch.prompts) != batch.num_rows or any(p.answer is None for p in batch.prompts):
+            raise ValueError(f"{type(self).__name__}: critic_reference needs every row's prompt with its reference "
+                             "answer (Prompt.answer)")
+        p = batch.prompt_length
+        rows = []
+        for i, prompt in enumerate(batch.prompts):
+            own = batch.input_ids[i, :p][batch.attention_mask[i, :p].bool()].tolist()
+            extra = self.tokenizer(self.critic_reference.format(answer=prompt.answer), add_special_tokens=False)
+            rows.append(list(extra["input_ids"]) + own)
+        ids, mask = left_pad(rows, self.tokenizer.pad_token_id, batch.input_ids.device)
+        ids = torch.cat([ids, batch.input_ids[:, p:]], dim=1)
+        return ids, torch.cat([mask, batch.attention_mask[:, p:]], dim=1), mask.shape[1]
 
     def rollout_values(self, batch: RolloutBatch) -> Tensor:
         """``[N, T]`` the critic's values at rollout time (``V_old``), no gradient."""

@@ -111,3 +111,27 @@ def test_every_critic_method_is_an_actor_critic():
     assert TRPO(model_name_or_path="embedded:random").critic is None  # group advantages: no critic built
     gae = TRPO(model_name_or_path="embedded:random", advantage_estimator="gae", critic_steps=3)
     assert gae.critic is not None and gae.critic_updates == 3 and gae.value_clip is None
+
+
+def test_a_reference_answer_reaches_the_critic_only():
+    import dataclasses
+
+    import pytest
+
+    with pytest.raises(ValueError, match="critic_reference needs critic: separate"):
+        PPO(model_name_or_path="embedded:random", critic_reference="answer: {answer}\n")
+    torch.manual_seed(0)
+    module = PPO(model_name_or_path="embedded:random", critic="separate", critic_reference="answer: {answer}\n")
+    with torch.no_grad():
+        module.critic.head.proj.weight.normal_()  # a head that reads its hidden states (it starts at 0)
+    batch = _rollout(module)
+    ids, mask, prompt_length = module.critic_inputs(batch)
+    width = batch.input_ids.shape[1] - batch.prompt_length
+    assert torch.equal(ids[:, prompt_length:], batch.input_ids[:, batch.prompt_length:])  # the same responses
+    text = module.tokenizer.decode(ids[0, :prompt_length][mask[0, :prompt_length].bool()])
+    assert f"answer: {batch.prompts[0].answer}" in text and ids.shape[1] == prompt_length + width
+    values = module.rollout_values(batch)
+    other = dataclasses.replace(batch, prompts=[dataclasses.replace(p, answer="999") for p in batch.prompts])
+    assert not torch.allclose(module.rollout_values(other), values)  # the critic reads the reference ...
+    with torch.no_grad():  # ... the policy does not
+        assert torch.equal(module.forward_policy(other).logprobs, module.forward_policy(batch).logprobs)
