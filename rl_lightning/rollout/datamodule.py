@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from rl_lightning.envs.base import Prompt, RewardFunction, Task
 from rl_lightning.models.policy import DType
+from rl_lightning.rollout.async_producer import Produced, RolloutProducer
 from rl_lightning.rollout.batch import PromptBatch, RolloutBatch
 from rl_lightning.rollout.engines import KVCacheEngine, RolloutEngine
 from rl_lightning.rollout.episodes import left_pad
@@ -76,6 +77,13 @@ class RolloutDataModule(LightningDataModule):
             A method that needs them raises it in ``check_datamodule``.
         record_aux_draws: record K extra draws per position from the sampling distribution, independent of the
             sampled token (``RolloutBatch.aux_ids``; StableReinforce). The sampled tokens do not change.
+        async_queue: 0 generates each training batch when the learner needs it; ``k >= 1`` runs a background
+            producer (``rollout.async_producer.RolloutProducer``, SAO's asynchronous sampling) that generates with
+            its own copy of the policy up to ``k`` batches ahead while the learner updates; the copy takes the
+            learner's newest weights before each batch. Needs ``sampler_sync_interval: 1`` (the producer's copy is
+            the lag). Not bit-reproducible (thread timing decides which weights draw which batch).
+        max_staleness: with ``async_queue``, the learner never consumes a batch drawn more than this many policy
+            versions (updates) ago; older ones are dropped (``dropped_batches``).
     """
 
     def __init__(
@@ -99,6 +107,8 @@ class RolloutDataModule(LightningDataModule):
         prompt_sampler: PromptSampler | None = None,
         record_topk: int = 0,
         record_aux_draws: int = 0,
+        async_queue: int = 0,
+        max_staleness: int = 2,
     ) -> None:
         super().__init__()
         checks = {
@@ -108,6 +118,7 @@ class RolloutDataModule(LightningDataModule):
             "val_batch_size": val_batch_size >= 1, "num_val_prompts": num_val_prompts is None or num_val_prompts >= 0,
             "record_topk": record_topk >= 0, "record_aux_draws": record_aux_draws >= 0,
             "sampler_dtype": sampler_dtype is None or sampler_dtype in get_args(DType),
+            "async_queue": async_queue >= 0, "max_staleness": max_staleness >= 0,
         }
         for name, ok in checks.items():
             if not ok:
@@ -131,6 +142,11 @@ class RolloutDataModule(LightningDataModule):
         self.prompt_sampler = prompt_sampler if prompt_sampler is not None else SequentialSampler()
         self.record_topk = record_topk
         self.record_aux_draws = record_aux_draws
+        if async_queue and sampler_sync_interval != 1:
+            raise ValueError(f"RolloutDataModule: async_queue={async_queue} needs sampler_sync_interval=1 (the "
+                             f"producer's copy of the policy is the lag), got {sampler_sync_interval}")
+        self.async_queue, self.max_staleness = async_queue, max_staleness
+        self._producer: RolloutProducer | None = None
         self._aux_generator: torch.Generator | None = None
         self.cursor = 0  # training steps drawn so far (the stream position)
         self.generator: torch.Generator | None = None
@@ -304,6 +320,9 @@ class RolloutDataModule(LightningDataModule):
         if train and self._injected:
             self.cursor += 1
             return self._injected.pop(0).to(device)
+        if train and self.async_queue:
+            self.cursor += 1
+            return self._take_produced(module).batch.to(device)
         if train and not batch.prompts:  # drawn now, with the sampler's weights of this moment
             batch = self.prompt_batch(batch.step)
         model = self.sampler() if train else module.policy
@@ -319,6 +338,36 @@ class RolloutDataModule(LightningDataModule):
         if train:
             self.cursor += 1
         return out
+
+    def _generate(self, model: nn.Module, step: int) -> RolloutBatch:
+        """Stream step ``step``'s training rollout with ``model`` (the asynchronous producer's work)."""
+        device = next(model.parameters()).device
+        batch = self.prompt_batch(step)
+        return self.strategy.rollout(self, batch, model, self._generator(device, step))
+
+    def _take_produced(self, module: Any) -> Produced:
+        """Publish the learner's weights and take the producer's next batch (the producer starts on first use)."""
+        version = int(getattr(self.trainer, "global_step", 0) or 0)
+        if self._producer is None:
+            pending = (self._pending_state or {}).pop("producer", None)
+            self._producer = RolloutProducer(self._generate, module.policy, self.async_queue, self.max_staleness,
+                                             version=version, start_step=0 if pending else self.cursor - 1)
+            if self.sampler_dtype is not None:
+                self._producer.sampler.to(getattr(torch, self.sampler_dtype))
+            if pending is not None:
+                self._producer.load_state_dict(pending, next(module.policy.parameters()).device)
+        else:
+            self._producer.publish(module.policy, version)
+        return self._producer.take(version)
+
+    @property
+    def dropped_batches(self) -> int:
+        """Asynchronous batches dropped as older than ``max_staleness`` (0 without ``async_queue``)."""
+        return 0 if self._producer is None else self._producer.dropped
+
+    def teardown(self, stage: str) -> None:
+        if self._producer is not None:  # the batch in generation is dropped; its step is generated again on resume
+            self._producer.stop()
 
     def inject(self, batch: RolloutBatch) -> None:
         """Train the next step on ``batch`` instead of generating one (``rl-lightning replay`` uses it).
@@ -354,10 +403,15 @@ class RolloutDataModule(LightningDataModule):
         if self._sampler is not None:
             state["sampler"] = {k: v.detach().cpu() for k, v in self._sampler.state_dict().items()}
             state["sampler_synced_at"] = self._sampler_synced_at
+        if self._producer is not None:  # mid-step (cursor ahead of the updates done): keep the batch being trained on
+            state["producer"] = self._producer.state_dict(include_last_taken=self.cursor > cursor)
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.cursor = int(state_dict["cursor"])
         self._pending_state = {k: v for k, v in state_dict.items() if k != "cursor"}
         self._sampler = None
+        if self._producer is not None:
+            self._producer.stop()
+            self._producer = None
         rank_zero_info(f"RolloutDataModule: resuming the prompt stream at step {self.cursor}")

@@ -1,0 +1,170 @@
+"""``RolloutProducer``: asynchronous rollouts (spec 000, SAO "Single-rollout sampling": collect trajectories
+asynchronously, so training need not wait for them).
+
+A background thread generates training batches with its own copy of the policy into a bounded queue while the
+learner updates. Each batch is stamped with the *policy version* that drew it -- the number of updates
+(``global_step``) the weights it sampled with had seen. The learner publishes its weights each time it takes a
+batch (``take``), and the producer loads the newest published weights before each generation, so a batch is
+at most a few versions behind the learner; ``max_staleness`` bounds that: a batch older than the bound when the
+learner would consume it is dropped (``dropped`` counts them) and the next one taken, so the learner never
+trains on a trajectory more than ``max_staleness`` versions old.
+
+Nothing is lost or duplicated across a checkpoint: ``state_dict`` snapshots the queued batches and the stream
+step the producer generates next (a batch being generated at that moment is not in the queue and its step is
+not yet passed, so a resumed producer generates it again); ``load_state_dict`` puts them back, and the resumed
+learner consumes the saved batches first. Which version draws which batch depends on thread timing, so an
+asynchronous run is not bit-reproducible (a synchronous one is); each batch's own sampling is still seeded by its
+stream step.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections import deque
+from dataclasses import dataclass, fields
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from rl_lightning.envs.base import Prompt
+from rl_lightning.rollout.batch import RolloutBatch
+
+
+@dataclass
+class Produced:
+    """One queued batch: the stream ``step`` it answers, the policy ``version`` that drew it, the rollout."""
+
+    step: int
+    version: int
+    batch: RolloutBatch
+
+
+class RolloutProducer:
+    """A background generator of training batches into a bounded queue (see the module docstring).
+
+    Args:
+        generate: ``(model, step) -> RolloutBatch``: the data module's rollout of stream step ``step`` with
+            ``model`` (called on the producer's thread, under ``torch.no_grad``).
+        policy: the learner's policy (copied once; the copy samples, never the policy itself).
+        capacity: queue size (>= 1): how many batches the producer may run ahead.
+        max_staleness: the largest ``learner version - batch version`` consumed (>= 0).
+        version: the policy's version now (its weights are copied now).
+        start_step: the first stream step to generate.
+    """
+
+    def __init__(self, generate: Callable[[nn.Module, int], RolloutBatch], policy: nn.Module, capacity: int,
+                 max_staleness: int, version: int = 0, start_step: int = 0) -> None:
+        if capacity < 1 or max_staleness < 0:
+            raise ValueError(f"RolloutProducer: need capacity >= 1 and max_staleness >= 0, got {capacity}, "
+                             f"{max_staleness}")
+        self.generate = generate
+        self.capacity, self.max_staleness = capacity, max_staleness
+        self.sampler = copy.deepcopy(policy).requires_grad_(False).eval()
+        self.items: deque[Produced] = deque()
+        self.next_step = start_step
+        self.version = version  # the version of the sampler's weights
+        self.dropped = 0
+        self.last_taken: Produced | None = None
+        self._published: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._cond = threading.Condition()
+        self._stop = False
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ learner side
+    def publish(self, policy: nn.Module, version: int) -> None:
+        """Offer the learner's current weights (after ``version`` updates) to the producer."""
+        state = {k: v.detach().clone() for k, v in policy.state_dict().items()}
+        with self._cond:
+            self._published = (version, state)
+
+    def take(self, version: int) -> Produced:
+        """The next queued batch at most ``max_staleness`` versions older than ``version`` (older ones are
+        dropped); blocks until there is one. Starts the thread on first use; re-raises a producer failure."""
+        self.start()
+        with self._cond:
+            while True:
+                while not self.items and self._error is None:
+                    self._cond.wait(timeout=1.0)
+                if self._error is not None:
+                    raise RuntimeError(f"the rollout producer failed: {self._error}") from self._error
+                item = self.items.popleft()
+                self._cond.notify_all()
+                if version - item.version <= self.max_staleness:
+                    self.last_taken = item
+                    return item
+                self.dropped += 1
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="rl-lightning-rollout-producer", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread (the batch it is generating is discarded: its step is generated again on resume)."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    # ------------------------------------------------------------------ checkpointing
+    @staticmethod
+    def _pack(batch: RolloutBatch) -> dict[str, Any]:
+        """``batch`` as tensors and plain values only (a checkpoint loads with ``weights_only=True``)."""
+        state = {f.name: getattr(batch, f.name) for f in fields(batch)}
+        state["prompts"] = [{"text": p.text, "answer": p.answer, "metadata": dict(p.metadata)} for p in batch.prompts]
+        return {k: (v.to("cpu") if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
+
+    @staticmethod
+    def _unpack(state: dict[str, Any], device: torch.device | str) -> RolloutBatch:
+        values = dict(state, prompts=[Prompt(**p) for p in state["prompts"]])
+        return RolloutBatch(**values).to(device)
+
+    def state_dict(self, include_last_taken: bool = False) -> dict[str, Any]:
+        """The queued batches (on the CPU), the next step to generate and ``dropped``; with ``include_last_taken``
+        (a checkpoint in the middle of a step, whose update has not completed) the batch the learner took last
+        first, so the resumed run trains on it again rather than losing it."""
+        with self._cond:
+            items = [self.last_taken] if include_last_taken and self.last_taken is not None else []
+            return {"items": [(i.step, i.version, self._pack(i.batch)) for i in [*items, *self.items]],
+                    "next_step": self.next_step, "dropped": self.dropped}
+
+    def load_state_dict(self, state: dict[str, Any], device: torch.device | str) -> None:
+        with self._cond:
+            self.items = deque(Produced(s, v, self._unpack(b, device)) for s, v, b in state["items"])
+            self.next_step = int(state["next_step"])
+            self.dropped = int(state["dropped"])
+
+    # ------------------------------------------------------------------ producer side
+    def _load_published(self) -> None:  # holding the lock
+        version, state = self._published
+        self.sampler.load_state_dict(state)
+        self.version = version
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while len(self.items) >= self.capacity and not self._stop:
+                        self._cond.wait()
+                    if self._stop:
+                        return
+                    if self._published is not None and self._published[0] > self.version:
+                        self._load_published()
+                    step, version = self.next_step, self.version
+                with torch.no_grad():
+                    batch = self.generate(self.sampler, step)  # outside the lock: the learner runs meanwhile
+                with self._cond:
+                    if self._stop:
+                        return
+                    self.items.append(Produced(step, version, batch))
+                    self.next_step = step + 1
+                    self._cond.notify_all()
+        except BaseException as err:  # noqa: BLE001 -- handed to the learner, which raises it
+            with self._cond:
+                self._error = err
+                self._cond.notify_all()

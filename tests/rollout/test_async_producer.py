@@ -1,0 +1,158 @@
+"""Asynchronous rollouts (SAO's single-rollout asynchronous sampling): a background producer with its own copy of
+the policy, version stamps, the staleness bound, and checkpoints that lose and duplicate nothing."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from rollout_helpers import fake_trainer
+
+from rl_lightning.algorithms import GRPO
+from rl_lightning.envs import ArithmeticTask
+from rl_lightning.rollout import RolloutDataModule
+from tests.conftest import tiny_datamodule, tiny_trainer
+
+
+def _dm(module, version: list[int], **kwargs) -> RolloutDataModule:
+    dm = RolloutDataModule(ArithmeticTask(num_heldout=4), prompts_per_step=2, group_size=2, max_new_tokens=3,
+                           async_queue=3, **kwargs)
+    dm.trainer = _Trainer(fake_trainer(module), version)
+    return dm
+
+
+class _Trainer:
+    """``fake_trainer`` whose ``global_step`` (the learner's version) the test sets through ``version[0]``."""
+
+    def __init__(self, base, version: list[int]) -> None:
+        self.__dict__.update(vars(base))
+        self.state = SimpleNamespace(fn="fit")  # a fit is running: checkpoints save the updates done
+        self._version = version
+
+    @property
+    def global_step(self) -> int:
+        return self._version[0]
+
+
+def _wait_full(dm) -> None:
+    for _ in range(600):
+        if len(dm._producer.items) >= dm.async_queue:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the producer did not fill its queue")
+
+
+def _take(dm, step: int):
+    return dm.rollout(SimpleNamespace(split="train", step=step, prompts=[]))
+
+
+def test_the_learner_never_consumes_a_batch_older_than_the_bound():
+    torch.manual_seed(0)
+    module = GRPO(model_name_or_path="embedded:random")
+    version = [0]
+    dm = _dm(module, version, max_staleness=1)
+    try:
+        first = _take(dm, 0)
+        assert first.prompt_index.tolist() == [0, 0, 1, 1]  # stream step 0
+        _wait_full(dm)  # three batches drawn with the version-0 weights
+        with torch.no_grad():
+            module.policy.lm_head.weight.add_(1.0)  # "five updates later" the learner's weights differ
+        version[0] = 5
+        taken = [dm._take_produced(module) for _ in range(3)]
+        assert all(5 - item.version <= 1 for item in taken)  # never older than the bound
+        assert dm.dropped_batches >= 3  # the version-0 batches were dropped, not trained on
+        steps = [item.step for item in taken]
+        assert steps == sorted(steps) and len(set(steps)) == 3
+        # a fresh batch was drawn with the published weights: its log-probs are the new learner's
+        batch = taken[-1].batch
+        with torch.no_grad():
+            learner = module.forward_policy(batch).logprobs
+        assert (learner - batch.sampler_logprobs)[batch.loss_mask.bool()].abs().max() < 1e-4
+    finally:
+        dm.teardown("fit")
+
+
+def test_a_checkpoint_with_the_producer_running_loses_and_duplicates_nothing():
+    torch.manual_seed(0)
+    module = GRPO(model_name_or_path="embedded:random")
+    version = [0]
+    a = _dm(module, version, max_staleness=10)
+    try:
+        consumed = [_take(a, 0).prompt_index.tolist()]
+        version[0] = 1
+        consumed.append(_take(a, 1).prompt_index.tolist())
+        version[0] = 2  # the step's update is done: a step checkpoint
+        _wait_full(a)
+        state = a.state_dict()
+        queued = [b["prompt_index"].tolist() for _, _, b in state["producer"]["items"]]
+        assert len(queued) == 3
+    finally:
+        a.teardown("fit")
+    b = _dm(module, version, max_staleness=10)
+    b.load_state_dict(state)
+    try:
+        resumed = []
+        for step in range(2, 6):
+            b.cursor = step  # the resumed learner's position
+            resumed.append(_take(b, step).prompt_index.tolist())
+            version[0] += 1
+        assert resumed[:3] == queued  # the saved batches first, exactly
+    finally:
+        b.teardown("fit")
+    # stream steps 0, 1, 2, ... each consumed exactly once: prompts [2k, 2k+1] at step k
+    assert [rows[::2] for rows in consumed + resumed] == [[2 * k, 2 * k + 1] for k in range(6)]
+
+
+def test_a_checkpoint_in_the_middle_of_a_step_keeps_the_batch_being_trained_on():
+    torch.manual_seed(0)
+    module = GRPO(model_name_or_path="embedded:random")
+    version = [0]
+    a = _dm(module, version)
+    try:
+        taken = _take(a, 0)  # the learner took step 0's batch and is updating when the interrupt comes
+        state = a.state_dict()  # cursor 1 > global_step 0: mid-step
+    finally:
+        a.teardown("fit")
+    b = _dm(module, version)
+    b.load_state_dict(state)
+    try:
+        again = _take(b, 0)
+        assert torch.equal(again.input_ids, taken.input_ids)  # step 0 is trained on after the resume
+    finally:
+        b.teardown("fit")
+
+
+def test_async_rollouts_train_in_a_fit_and_refuse_a_lagged_sampler(tmp_path):
+    with pytest.raises(ValueError, match="sampler_sync_interval=1"):
+        RolloutDataModule(ArithmeticTask(num_heldout=4), async_queue=2, sampler_sync_interval=2)
+    torch.manual_seed(0)
+    module = GRPO(model_name_or_path="embedded:random")
+    dm = tiny_datamodule(async_queue=2, max_staleness=2)
+    trainer = tiny_trainer(tmp_path, max_steps=3)
+    trainer.fit(module, datamodule=dm)
+    assert trainer.global_step == 3
+    assert dm._producer._thread is None  # stopped at teardown
+
+
+def test_a_resumed_asynchronous_fit_trains_on_the_same_stream_steps_as_a_straight_one(tmp_path):
+    from tests.conftest import RecordRollouts
+
+    def module():
+        torch.manual_seed(0)
+        return GRPO(model_name_or_path="embedded:random")
+
+    settings = dict(async_queue=2, max_staleness=10)  # nothing is stale enough to drop here
+    straight = RecordRollouts()
+    tiny_trainer(tmp_path / "a", max_steps=5, callbacks=[straight]).fit(module(), datamodule=tiny_datamodule(**settings))
+    first = RecordRollouts()
+    trainer = tiny_trainer(tmp_path / "b", max_steps=2, callbacks=[first])
+    trainer.fit(module(), datamodule=tiny_datamodule(**settings))
+    trainer.save_checkpoint(tmp_path / "b" / "step2.ckpt")
+    second = RecordRollouts()
+    tiny_trainer(tmp_path / "c", max_steps=5, callbacks=[second]).fit(
+        module(), datamodule=tiny_datamodule(**settings), ckpt_path=str(tmp_path / "b" / "step2.ckpt"))
+    got = [p.tolist() for p in first.prompt_index + second.prompt_index]
+    assert got == [p.tolist() for p in straight.prompt_index]  # each stream step once, none lost, none twice
+    assert len(got) == 5 and len({tuple(p) for p in got}) == 5
