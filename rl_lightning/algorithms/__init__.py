@@ -11,11 +11,12 @@ from rl_lightning.algorithms.pg import PolicyGradient
 from rl_lightning.algorithms.ppo import PPO
 from rl_lightning.algorithms.reinforce import REINFORCE
 from rl_lightning.algorithms.rloo import RLOO
+from rl_lightning.algorithms.sao import SAO
 from rl_lightning.algorithms.score_centering import ScoreCentering
 from rl_lightning.algorithms.spo import SPO
 from rl_lightning.algorithms.stable_reinforce import StableReinforce
 from rl_lightning.algorithms.trpo import TRPO
 
-__all__ = ["ActorCritic", "BPCO", "CoPE", "EasyPPO", "FlashREINFORCE", "GRPO", "PPO", "REINFORCE", "RLOO", "SPO", "ScoreCentering", "StableReinforce",
+__all__ = ["ActorCritic", "BPCO", "CoPE", "EasyPPO", "FlashREINFORCE", "GRPO", "PPO", "REINFORCE", "RLOO", "SAO", "SPO", "ScoreCentering", "StableReinforce",
            "TRPO", "HeldoutObserver", "LossTerm",
            "NonFiniteLossError", "PolicyGradient", "PolicyOutput", "RLModule"]

@@ -29,14 +29,7 @@ from typing_extensions import override
 
 from rl_lightning.algorithms.base import PolicyOutput
 from rl_lightning.algorithms.ppo import PPO
-from rl_lightning.functional import (
-    clip_statistics,
-    divergence_clip_bounds,
-    gae,
-    length_adaptive_lambda,
-    masked_whiten,
-    outcome_token_rewards,
-)
+from rl_lightning.functional import clip_statistics, divergence_clip_bounds, masked_whiten
 from rl_lightning.rollout.batch import RolloutBatch
 
 
@@ -68,17 +61,9 @@ class BPCO(PPO):
 
     @override
     def compute_advantages(self, batch: RolloutBatch) -> Tensor:
-        mask = batch.loss_mask
-        values = self.rollout_values(batch)  # V_old, [N, T]
-        rewards = outcome_token_rewards(batch.rewards.float(), mask)
-        lam = length_adaptive_lambda(mask.sum(dim=1), self.alpha)  # [N], one λ per response
-        advantages, _ = gae(rewards, values, mask, self.gamma, lam)
+        advantages = self.length_adaptive_advantages(batch, self.alpha, self.gamma)
         if self.whiten_advantages:  # opt-in; the spec's BPCO keeps raw advantages
-            advantages = masked_whiten(advantages, mask)
-        # λ_V = 1 with the values set to 0: the discounted reward-to-go itself, not a bootstrapped target
-        _, returns = gae(rewards, torch.zeros_like(values), mask, self.gamma, 1.0)
-        batch.values, batch.returns = values, returns
-        batch.extras["bpco_lambda"] = lam
+            advantages = masked_whiten(advantages, batch.loss_mask)
         return advantages
 
     @override
@@ -96,6 +81,6 @@ class BPCO(PPO):
             "train/clip_fraction_high": stats.clip_fraction_high, "train/approx_kl": stats.approx_kl,
             "train/ratio_mean": stats.ratio_mean,
         }
-        if "bpco_lambda" in batch.extras:
-            metrics["train/lambda_mean"] = batch.extras["bpco_lambda"].float().mean()
+        if "gae_lambda" in batch.extras:
+            metrics["train/lambda_mean"] = batch.extras["gae_lambda"].float().mean()
         return objective, metrics

@@ -30,7 +30,13 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from rl_lightning.algorithms.base import PolicyOutput, RLModule
-from rl_lightning.functional import clipped_value_loss, explained_variance
+from rl_lightning.functional import (
+    clipped_value_loss,
+    explained_variance,
+    gae,
+    length_adaptive_lambda,
+    outcome_token_rewards,
+)
 from rl_lightning.models.value import Critic, CriticMode, build_critic
 from rl_lightning.rollout.batch import RolloutBatch
 from rl_lightning.rollout.episodes import left_pad
@@ -201,6 +207,23 @@ class ActorCritic(RLModule):
                     stats.setdefault(key, []).append(value.detach().float())
         optimizer.zero_grad()
         return stats
+
+    def length_adaptive_advantages(self, batch: RolloutBatch, alpha: float, gamma: float = 1.0) -> Tensor:
+        """Actor GAE with ``λ_π(L) = clamp(1 - 1/(α L), 0, 1)`` per response of ``L`` generated tokens over the
+        critic's rollout values, and critic targets with ``λ_V = 1`` (BPCO, and SAO's ``α = 1.5``): the discounted
+        outcome reward-to-go itself, never built from the critic's own predictions (``R`` at every token with
+        ``γ = 1``). The outcome reward sits on the last *model-generated* token and the recursion skips observation
+        tokens (``functional.gae`` over ``loss_mask``). Sets ``batch.values``/``batch.returns`` and
+        ``batch.extras["gae_lambda"]`` (``[N]``); returns the raw advantages ``[N, T]``."""
+        mask = batch.loss_mask
+        values = self.rollout_values(batch)  # V_old, [N, T]
+        rewards = outcome_token_rewards(batch.rewards.float(), mask)
+        lam = length_adaptive_lambda(mask.sum(dim=1), alpha)  # [N], one λ per response
+        advantages, _ = gae(rewards, values, mask, gamma, lam)
+        _, returns = gae(rewards, torch.zeros_like(values), mask, gamma, 1.0)  # with V = 0: the reward-to-go
+        batch.values, batch.returns = values, returns
+        batch.extras["gae_lambda"] = lam
+        return advantages
 
     def critic_metrics(self, batch: RolloutBatch) -> dict[str, list[Tensor]]:
         """``train/explained_variance`` of the values the advantages came from (``V_old``) against the returns."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import time
+from dataclasses import replace
 from typing import Any, Iterator, get_args
 
 import torch
@@ -320,9 +321,11 @@ class RolloutDataModule(LightningDataModule):
         if train and self._injected:
             self.cursor += 1
             return self._injected.pop(0).to(device)
-        if train and self.async_queue:
+        if train and self.async_queue:  # perf/rollout_time: how long the learner waited for it (0: none)
             self.cursor += 1
-            return self._take_produced(module).batch.to(device)
+            start = time.perf_counter()
+            produced = self._take_produced(module).batch.to(device)
+            return replace(produced, rollout_time=time.perf_counter() - start, reward_time=0.0)
         if train and not batch.prompts:  # drawn now, with the sampler's weights of this moment
             batch = self.prompt_batch(batch.step)
         model = self.sampler() if train else module.policy
