@@ -94,11 +94,11 @@ def scalars(run: Path) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
-def _cell(values: list[float], digits: int = 3) -> str:
+def _cell(values: list[float], fmt: str = ".3f") -> str:
     if not values:
         return "–"
     mean = sum(values) / len(values)
-    return f"{mean:.{digits}f} [{min(values):.{digits}f}–{max(values):.{digits}f}]"
+    return f"{mean:{fmt}} [{min(values):{fmt}}–{max(values):{fmt}}]"
 
 
 def report(seeds: list[int], out: Path, plot: Path, notes: Path) -> None:
@@ -139,7 +139,7 @@ def report(seeds: list[int], out: Path, plot: Path, notes: Path) -> None:
               "before each update)", "", header, rule]
     for method, (label, *_) in METHODS.items():
         cells = [_cell([sum(v for _, v in r["train/sampler_logp_diff"]) / len(r["train/sampler_logp_diff"])
-                        for r in found.get((method, s), [])], 4) for s in SETTINGS]
+                        for r in found.get((method, s), [])], ".1e") for s in SETTINGS]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines += ["", "### Every run", "", "| method | setting | seed | log dir | val/reward (step: value) |",
               "| --- | --- | --- | --- | --- |"]
