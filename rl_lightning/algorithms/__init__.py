@@ -17,6 +17,8 @@ from rl_lightning.algorithms.spo import SPO
 from rl_lightning.algorithms.stable_reinforce import StableReinforce
 from rl_lightning.algorithms.trpo import TRPO
 
-__all__ = ["ActorCritic", "BPCO", "CoPE", "EasyPPO", "FlashREINFORCE", "GRPO", "PPO", "REINFORCE", "RLOO", "SAO", "SPO", "ScoreCentering", "StableReinforce",
-           "TRPO", "HeldoutObserver", "LossTerm",
-           "NonFiniteLossError", "PolicyGradient", "PolicyOutput", "RLModule"]
+__all__ = [
+    "ActorCritic", "BPCO", "CoPE", "EasyPPO", "FlashREINFORCE", "GRPO", "PPO", "REINFORCE", "RLOO", "SAO", "SPO",
+    "ScoreCentering", "StableReinforce", "TRPO", "HeldoutObserver", "LossTerm", "NonFiniteLossError", "PolicyGradient",
+    "PolicyOutput", "RLModule",
+]

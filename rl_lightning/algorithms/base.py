@@ -50,13 +50,24 @@ from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
 from rl_lightning.algorithms.update_metrics import UpdateMetrics
-from rl_lightning.functional import AggregationMode, aggregation_weights, sampling_logprobs, sampling_logprobs_at
+from rl_lightning.functional import (
+    AggregationMode, PolicyLossStats, aggregation_weights, sampling_logprobs, sampling_logprobs_at,
+)
 from rl_lightning.models.policy import DType, load_policy
 from rl_lightning.rollout.batch import RolloutBatch
 from rl_lightning.rollout.generation import (
     _cache_argument, _returned_cache, can_share_prompts, distinct_rows, expandable_cache, position_ids_from_mask,
     unshareable,
 )
+
+
+def clip_metrics(stats: PolicyLossStats) -> dict[str, Tensor]:
+    """The ``train/...`` metrics of a clipped surrogate's ``PolicyLossStats`` (PPO, GRPO, BPCO's divergence clip)."""
+    return {
+        "train/clip_fraction": stats.clip_fraction, "train/clip_fraction_low": stats.clip_fraction_low,
+        "train/clip_fraction_high": stats.clip_fraction_high, "train/ratio_mean": stats.ratio_mean,
+        "train/approx_kl": stats.approx_kl,
+    }
 
 
 @dataclass
@@ -80,7 +91,8 @@ class PolicyOutput:
 
 
 #: the per-token ``RolloutBatch`` fields (second dimension ``T``) that ``trim_padding`` cuts with the response
-_TOKEN_FIELDS = ("loss_mask", "sampler_logprobs", "obs_mask", "ref_logprobs", "proximal_logprobs", "values", "returns", "turn_index",
+_TOKEN_FIELDS = ("loss_mask", "sampler_logprobs", "obs_mask", "ref_logprobs", "proximal_logprobs",
+                 "values", "returns", "turn_index",
                  "topk_ids", "topk_logprobs", "aux_ids")
 
 

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from rl_lightning.algorithms.base import PolicyOutput
+from rl_lightning.algorithms.base import PolicyOutput, clip_metrics
 from rl_lightning.algorithms.ppo import PPO
 from rl_lightning.functional import clip_statistics, divergence_clip_bounds, masked_whiten
 from rl_lightning.rollout.batch import RolloutBatch
@@ -76,11 +76,7 @@ class BPCO(PPO):
         adv = advantages.detach()
         objective = torch.minimum(ratio * adv, torch.clamp(ratio, low, high) * adv)
         stats = clip_statistics(ratio, adv, mask, 1.0 - low, high - 1.0, out.logprobs, old)
-        metrics = {
-            "train/clip_fraction": stats.clip_fraction, "train/clip_fraction_low": stats.clip_fraction_low,
-            "train/clip_fraction_high": stats.clip_fraction_high, "train/approx_kl": stats.approx_kl,
-            "train/ratio_mean": stats.ratio_mean,
-        }
+        metrics = clip_metrics(stats)
         if "gae_lambda" in batch.extras:
             metrics["train/lambda_mean"] = batch.extras["gae_lambda"].float().mean()
         return objective, metrics

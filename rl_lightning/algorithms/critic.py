@@ -35,6 +35,7 @@ from rl_lightning.functional import (
     explained_variance,
     gae,
     length_adaptive_lambda,
+    outcome_gae,
     outcome_token_rewards,
 )
 from rl_lightning.models.value import Critic, CriticMode, build_critic
@@ -82,7 +83,8 @@ class ActorCritic(RLModule):
         checks = {"critic_lr": critic_lr is None or critic_lr > 0, "value_clip": value_clip is None or value_clip > 0,
                   "critic_updates": critic_updates >= 0, "critic_minibatches": critic_minibatches >= 1,
                   "critic_max_grad_norm": critic_max_grad_norm is None or critic_max_grad_norm > 0,
-                  "value_bounds": value_bounds is None or (len(value_bounds) == 2 and value_bounds[0] < value_bounds[1])}
+                  "value_bounds": value_bounds is None
+                  or (len(value_bounds) == 2 and value_bounds[0] < value_bounds[1])}
         for key, ok in checks.items():
             if not ok:
                 raise ValueError(f"{name}: invalid {key}={locals()[key]!r}")
@@ -207,6 +209,14 @@ class ActorCritic(RLModule):
                     stats.setdefault(key, []).append(value.detach().float())
         optimizer.zero_grad()
         return stats
+
+    def gae_advantages(self, batch: RolloutBatch, gamma: float, lam: float, whiten: bool) -> Tensor:
+        """PPO's advantages (``functional.outcome_gae`` over the critic's rollout values ``V_old``); sets
+        ``batch.values``/``batch.returns`` (``returns = Â + V_old``, carried into every minibatch by ``select``)."""
+        values = self.rollout_values(batch)  # V_old, [N, T]
+        advantages, returns = outcome_gae(batch.rewards.float(), values, batch.loss_mask, gamma, lam, whiten=whiten)
+        batch.values, batch.returns = values, returns
+        return advantages
 
     def length_adaptive_advantages(self, batch: RolloutBatch, alpha: float, gamma: float = 1.0) -> Tensor:
         """Actor GAE with ``λ_π(L) = clamp(1 - 1/(α L), 0, 1)`` per response of ``L`` generated tokens over the

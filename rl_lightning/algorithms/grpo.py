@@ -12,7 +12,7 @@ from typing import Any
 from torch import Tensor
 from typing_extensions import override
 
-from rl_lightning.algorithms.base import PolicyOutput, RLModule
+from rl_lightning.algorithms.base import PolicyOutput, RLModule, clip_metrics
 from rl_lightning.algorithms.pg import tis_weighted
 from rl_lightning.functional import clipped_policy_loss, group_advantages
 from rl_lightning.rollout.batch import RolloutBatch
@@ -77,10 +77,4 @@ class GRPO(RLModule):
         loss, stats = clipped_policy_loss(
             out.logprobs, old, advantages, batch.loss_mask, weights, self.clip_eps_low, self.clip_eps_high,
         )
-        return loss, {**tis,
-            "train/clip_fraction": stats.clip_fraction,
-            "train/clip_fraction_low": stats.clip_fraction_low,
-            "train/clip_fraction_high": stats.clip_fraction_high,
-            "train/ratio_mean": stats.ratio_mean,
-            "train/approx_kl": stats.approx_kl,
-        }
+        return loss, {**tis, **clip_metrics(stats)}

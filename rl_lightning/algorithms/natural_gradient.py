@@ -7,14 +7,15 @@ trust-region variant) can reuse them with ``functional.trpo``'s Fisher-vector pr
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from rl_lightning.algorithms.base import shared_prompt_forward
-from rl_lightning.functional import sampling_log_softmax
+from rl_lightning.functional import masked_mean, sampling_log_softmax
+from rl_lightning.functional.trpo import conjugate_gradient, trust_region_scale
 from rl_lightning.rollout.batch import RolloutBatch
 from rl_lightning.rollout.generation import position_ids_from_mask
 
@@ -67,3 +68,41 @@ def apply_step(optimizer: Any, params: list[nn.Parameter], step: Tensor | None) 
         offset += n
     optimizer.step()
     optimizer.zero_grad()
+
+
+def trust_region_step(fvp: Callable[[Tensor], Tensor], g: Tensor, cg_iters: int, delta: float,
+                      fx_from_residual: bool) -> Tensor:
+    """The full step ``sqrt(2δ / xᵀFx) · x`` with ``x ≈ F⁻¹ g`` by conjugate gradient (float64), in ``g``'s dtype.
+
+    ``F x`` comes from CG's residual (``(F + damping) x = g - r``, no product) when ``fx_from_residual`` (the
+    Gauss-Newton products), else from one more product (the double-backward path, as originally).
+    """
+    x, residual = conjugate_gradient(fvp, g.double(), cg_iters, with_residual=True)
+    fx = g.double() - residual if fx_from_residual else fvp(x)
+    return (trust_region_scale(x, fx, delta) * x).to(g.dtype)  # [D]
+
+
+@torch.no_grad()
+def step_metrics(
+    accepted: tuple[int, Tensor, Tensor, Tensor] | None, g: Tensor, full_step: Tensor, surrogate: Tensor,
+    old_logp: Tensor, logprobs: Tensor, batch: RolloutBatch, backtrack_iters: int,
+) -> dict[str, list[Tensor]]:
+    """TRPO's logged metrics of one step: the line search's outcome (``accepted``: ``(k, step, kl, improvement)`` or
+    ``None``), the linear prediction ``gᵀs``, the surrogate before the step, and the entropy and sampler gap of
+    ``π_old`` (``old_logp`` ``[N, T, V]``, ``logprobs`` ``[N, T]`` at the generated tokens)."""
+    mask = batch.loss_mask
+    p_old = old_logp.exp()
+    entropy = -(p_old * old_logp.masked_fill(p_old == 0, 0.0)).sum(-1)  # [N, T]
+    zero = torch.zeros((), device=g.device)
+    return {
+        "train/kl_after_step": [accepted[2] if accepted else zero],
+        "train/line_search_steps": [torch.tensor(float(accepted[0] if accepted else backtrack_iters + 1))],
+        "train/step_accepted": [torch.tensor(1.0 if accepted else 0.0)],
+        "train/surrogate_improvement": [accepted[3] if accepted else zero],
+        "train/expected_improvement": [(g.double() @ full_step.double()).float()],
+        "train/surrogate": [surrogate],
+        "train/loss": [-surrogate],  # the fixed name: what the step lowers, at the weights before it
+        "train/grad_norm": [g.norm()],
+        "train/sampler_logp_diff": [masked_mean((logprobs - batch.sampler_logprobs).abs(), mask)],
+        "train/entropy": [masked_mean(entropy, mask)],
+    }

@@ -17,9 +17,9 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from rl_lightning.algorithms.base import PolicyOutput
+from rl_lightning.algorithms.base import PolicyOutput, clip_metrics
 from rl_lightning.algorithms.critic import ActorCritic
-from rl_lightning.functional import AggregationMode, aggregate, clip_statistics, clipped_surrogate, outcome_gae
+from rl_lightning.functional import AggregationMode, aggregate, clip_statistics, clipped_surrogate
 from rl_lightning.models.value import CriticMode
 from rl_lightning.rollout.batch import RolloutBatch
 
@@ -79,11 +79,7 @@ class PPO(ActorCritic):
     # ------------------------------------------------------------------ hooks
     @override
     def compute_advantages(self, batch: RolloutBatch) -> Tensor:
-        values = self.rollout_values(batch)  # V_old, [N, T]
-        advantages, returns = outcome_gae(batch.rewards.float(), values, batch.loss_mask, self.gamma, self.lam,
-                                          whiten=self.whiten_advantages)
-        batch.values, batch.returns = values, returns  # carried into every minibatch by select()
-        return advantages
+        return self.gae_advantages(batch, self.gamma, self.lam, self.whiten_advantages)
 
     @override
     def update(self, batch: RolloutBatch, advantages: Tensor, weights: Tensor) -> dict[str, list[Tensor]]:
@@ -101,11 +97,7 @@ class PPO(ActorCritic):
         old = batch.sampler_logprobs.detach()
         ratio = torch.exp((out.logprobs - old) * mask)  # zero log-ratio on padding: exp() stays finite
         stats = clip_statistics(ratio, advantages, mask, self.clip_eps_low, self.clip_eps_high, out.logprobs, old)
-        return clipped_surrogate(ratio, advantages, self.clip_eps_low, self.clip_eps_high), {
-            "train/clip_fraction": stats.clip_fraction, "train/clip_fraction_low": stats.clip_fraction_low,
-            "train/clip_fraction_high": stats.clip_fraction_high, "train/approx_kl": stats.approx_kl,
-            "train/ratio_mean": stats.ratio_mean,
-        }
+        return clipped_surrogate(ratio, advantages, self.clip_eps_low, self.clip_eps_high), clip_metrics(stats)
 
     @override
     def policy_loss(

@@ -35,21 +35,12 @@ from typing_extensions import override
 
 from rl_lightning.algorithms.base import NonFiniteLossError, PolicyOutput
 from rl_lightning.algorithms.critic import ActorCritic
-from rl_lightning.algorithms.natural_gradient import apply_step, fisher_logits, vocab_logprobs
-from rl_lightning.functional import (
-    group_advantages,
-    masked_mean,
-    outcome_gae,
-    sampling_log_softmax,
+from rl_lightning.algorithms.natural_gradient import (
+    apply_step, fisher_logits, step_metrics, trust_region_step, vocab_logprobs,
 )
+from rl_lightning.functional import group_advantages, sampling_log_softmax
 from rl_lightning.functional.trpo import (
-    backtracking_line_search,
-    categorical_kl,
-    conjugate_gradient,
-    fisher_vector_product,
-    gauss_newton_vector_product,
-    importance_surrogate,
-    trust_region_scale,
+    backtracking_line_search, categorical_kl, fisher_vector_product, gauss_newton_vector_product, importance_surrogate,
 )
 from rl_lightning.models.value import CriticMode
 from rl_lightning.rollout.batch import RolloutBatch
@@ -195,11 +186,7 @@ class TRPO(ActorCritic):
     def compute_advantages(self, batch: RolloutBatch) -> Tensor:
         if self.critic is None:
             return group_advantages(batch.rewards, batch.group_size, scale=self.scale_rewards, eps=self.std_eps)
-        values = self.rollout_values(batch)  # V_old, [N, T]
-        advantages, returns = outcome_gae(batch.rewards.float(), values, batch.loss_mask, self.gamma, self.lam,
-                                          whiten=self.whiten_advantages)
-        batch.values, batch.returns = values, returns
-        return advantages
+        return self.gae_advantages(batch, self.gamma, self.lam, self.whiten_advantages)
 
     @override
     def policy_loss(
@@ -280,11 +267,7 @@ class TRPO(ActorCritic):
             torch.arange(0, batch.num_rows, self.fisher_subsample, device=mask.device))
         fvp = (fisher_vector_product(categorical_kl(old_logp, new_logp, mask), params, self.damping) if reuse
                else self.fisher_vector_product(sub))
-        x, residual = conjugate_gradient(fvp, g.double(), self.cg_iters, with_residual=True)
-        # Gauss-Newton: (F + damping) x = g - r, no product for it; double backward: measured, as originally
-        fx = g.double() - residual if self.fisher_product == "gauss_newton" else fvp(x)
-        scale = trust_region_scale(x, fx, self.delta)
-        full_step = (scale * x).to(g.dtype)  # [D]
+        full_step = trust_region_step(fvp, g, self.cg_iters, self.delta, self.fisher_product == "gauss_newton")
         if not torch.isfinite(full_step).all():
             raise NonFiniteLossError(f"TRPO: non-finite step at step {self.global_step}; the weights were not updated")
 
@@ -303,22 +286,7 @@ class TRPO(ActorCritic):
 
         apply_step(policy_opt, params, accepted[1] if accepted else None)  # one counted step per rollout batch
 
-        with torch.no_grad():
-            p_old = old_logp.exp()
-            entropy = -(p_old * old_logp.masked_fill(p_old == 0, 0.0)).sum(-1)  # [N, T]
-            zero = torch.zeros((), device=g.device)
-            stats.update({
-                "train/kl_after_step": [accepted[2] if accepted else zero],
-                "train/line_search_steps": [torch.tensor(float(accepted[0] if accepted else self.backtrack_iters + 1))],
-                "train/step_accepted": [torch.tensor(1.0 if accepted else 0.0)],
-                "train/surrogate_improvement": [accepted[3] if accepted else zero],
-                "train/expected_improvement": [(g.double() @ full_step.double()).float()],
-                "train/surrogate": [s_old],
-                "train/loss": [-s_old],  # the fixed name: what the step lowers, at the weights before it
-                "train/grad_norm": [g.norm()],
-                "train/sampler_logp_diff": [masked_mean((logprobs - batch.sampler_logprobs).abs(), mask)],
-                "train/entropy": [masked_mean(entropy, mask)],
-            })
-            for key, value in term_stats.items():
-                stats[key] = [value.detach().float()]
+        stats.update(step_metrics(accepted, g, full_step, s_old, old_logp, logprobs, batch, self.backtrack_iters))
+        for key, value in term_stats.items():
+            stats[key] = [value.detach().float()]
         return stats

@@ -26,11 +26,10 @@ def _f(x: Tensor) -> Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-def _finite(logp: Tensor) -> tuple[Tensor, Tensor]:
-    """``(logp with -inf replaced by 0, mask of the finite entries)``: ids off a top-p support have
+def _finite(logp: Tensor) -> Tensor:
+    """``logp`` with ``-inf`` replaced by 0 (through ``where``, so no NaN gradient): ids off a top-p support have
     probability 0 and pass no gradient."""
-    finite = torch.isfinite(logp)
-    return torch.where(finite, logp, torch.zeros_like(logp)), finite
+    return torch.where(torch.isfinite(logp), logp, torch.zeros_like(logp))
 
 
 def tail_ratio(learner_head_logprobs: Tensor, sampler_head_logprobs: Tensor, eps: float = TAIL_EPS) -> Tensor:
@@ -136,7 +135,7 @@ def score_centered_loss(
                          f"{tuple(sampler_head_logprobs.shape)} must both be [N, T, k] for logprobs "
                          f"{tuple(logprobs.shape)}")
     m = _f(mask)
-    head, _ = _finite(_f(head_logprobs))
+    head = _finite(_f(head_logprobs))
     coefficients = score_centering_coefficients(head_logprobs, sampler_head_logprobs, cap, eps) * m.unsqueeze(-1)
     if cap is None:
         w = torch.ones_like(_f(logprobs))
@@ -170,7 +169,7 @@ def mc_centered_loss(
         raise ValueError(f"mc_centered_loss: aux_logprobs must be [N, T, K >= 1] for logprobs "
                          f"{tuple(logprobs.shape)}, got {tuple(aux_logprobs.shape)}")
     m = _f(mask)
-    aux, _ = _finite(_f(aux_logprobs))
+    aux = _finite(_f(aux_logprobs))
     adv = _f(advantages.detach())
     centred = _f(logprobs) - aux.mean(-1)
     loss = aggregate(-adv * centred * m, weights)
