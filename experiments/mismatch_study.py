@@ -23,20 +23,17 @@ with the plot docs/results_mismatch.png; numbers come only from the logs. A note
 from __future__ import annotations
 
 import argparse
-import glob
 import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import torch
-import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "experiments"))
-from report import write_section  # noqa: E402
+from report import finished_run, write_section  # noqa: E402
 
 TASK = "configs/tasks/arithmetic_hard.yaml"
 METHODS = {  # name: (label, config, extra overrides)
@@ -60,16 +57,7 @@ def run_name(method: str, setting: str) -> str:
 
 
 def done_run(name: str, seed: int) -> Path | None:
-    """The finished run directory of ``name`` with ``seed`` (config seed + last.ckpt at max_steps), if any."""
-    for run in sorted(glob.glob(str(REPO / "runs" / name / "version_*"))):
-        try:
-            config = yaml.safe_load(open(f"{run}/config.yaml"))
-            step = torch.load(f"{run}/checkpoints/last.ckpt", map_location="cpu", weights_only=False)["global_step"]
-        except (OSError, KeyError, TypeError, yaml.YAMLError):
-            continue
-        if config.get("seed_everything") == seed and step == config["trainer"]["max_steps"]:
-            return Path(run)
-    return None
+    return finished_run(name, seed, REPO / "runs")
 
 
 def train(method: str, setting: str, seed: int) -> None:

@@ -64,6 +64,22 @@ def load_run(path: Path) -> Run:
     return Run(path, method, seed, sorted(val), sorted(train), max(times) - min(times), steps)
 
 
+def finished_run(name: str, seed: int, root: Path = Path("runs")) -> Path | None:
+    """The first ``root/name/version_*`` whose config has ``seed`` and whose ``last.ckpt`` reached the config's
+    ``max_steps`` (a finished run, which run_methods.sh and mismatch_study.py skip), or ``None``."""
+    import torch
+
+    for run in sorted(root.joinpath(name).glob("version_*")):
+        try:
+            config = yaml.safe_load((run / "config.yaml").read_text())
+            step = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["global_step"]
+        except (OSError, KeyError, TypeError, yaml.YAMLError):
+            continue
+        if config.get("seed_everything") == seed and step == config["trainer"]["max_steps"]:
+            return run
+    return None
+
+
 def _by_method(runs: list[Run]) -> dict[str, list[Run]]:
     groups: dict[str, list[Run]] = {}
     for run in runs:

@@ -39,20 +39,9 @@ for var in NOTES HELDOUT PLOT SECTION; do  # the command that rewrites this very
 done
 # A run counts as done when its directory's config has the seed and its last.ckpt reached the config's max_steps;
 # done runs are skipped, so the script resumes where it stopped (an interrupted run is started again).
-done_run() {  # done_run NAME SEED -> prints the finished run directory, if any
-  $bin/python - "$1" "$2" <<'PY'
-import glob, sys, torch, yaml
-name, seed = sys.argv[1], int(sys.argv[2])
-for run in sorted(glob.glob(f"runs/{name}/version_*")):
-    try:
-        config = yaml.safe_load(open(f"{run}/config.yaml"))
-        step = torch.load(f"{run}/checkpoints/last.ckpt", map_location="cpu", weights_only=False)["global_step"]
-    except (OSError, KeyError, TypeError, yaml.YAMLError):
-        continue
-    if config.get("seed_everything") == seed and step == config["trainer"]["max_steps"]:
-        print(run)
-        break
-PY
+done_run() {  # done_run NAME SEED -> prints the finished run directory, if any (report.py's finished_run)
+  $bin/python -c "import sys; sys.path.insert(0, 'experiments'); from report import finished_run
+run = finished_run(sys.argv[1], int(sys.argv[2])); print(run if run else '', end='')" "$1" "$2"
 }
 runs=()
 for method in $methods; do
