@@ -72,7 +72,7 @@ def apply_step(optimizer: Any, params: list[nn.Parameter], step: Tensor | None) 
 
 def trust_region_step(fvp: Callable[[Tensor], Tensor], g: Tensor, cg_iters: int, delta: float,
                       fx_from_residual: bool) -> Tensor:
-    """The full step ``sqrt(2δ / xᵀFx) · x`` with ``x ≈ F⁻¹ g`` by conjugate gradient (float64), in ``g``'s dtype.
+    """TRPO's full step (spec 003, §4): ``sqrt(2δ / xᵀFx) · x`` with ``x ≈ F⁻¹ g`` by conjugate gradient (float64), in ``g``'s dtype.
 
     ``F x`` comes from CG's residual (``(F + damping) x = g - r``, no product) when ``fx_from_residual`` (the
     Gauss-Newton products), else from one more product (the double-backward path, as originally).

@@ -124,9 +124,9 @@ def clipped_policy_loss(
 @torch.no_grad()
 def clip_statistics(ratio: Tensor, advantages: Tensor, mask: Tensor, eps_low: float, eps_high: float,
                     logprobs: Tensor, old_logprobs: Tensor) -> PolicyLossStats:
-    """Token means over ``mask`` of where the clipped branch of ``clipped_surrogate`` wins (below: ``ρ < 1 - eps_low``
-    with ``A < 0``; above: ``ρ > 1 + eps_high`` with ``A > 0``), the mean ratio and the k3 estimate of
-    KL(π_old ‖ π_θ); detached."""
+    """The clip diagnostics of spec 003 §5/§6's clipped surrogate: token means over ``mask`` of where the clipped
+    branch of ``clipped_surrogate`` wins (below: ``ρ < 1 - eps_low`` with ``A < 0``; above: ``ρ > 1 + eps_high``
+    with ``A > 0``), the mean ratio and the k3 estimate of KL(π_old ‖ π_θ); detached."""
     adv = (advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages).expand_as(ratio)
     maskb = mask.bool()
     low = (ratio < 1.0 - eps_low) & (adv < 0) & maskb
