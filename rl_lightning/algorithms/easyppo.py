@@ -5,8 +5,9 @@ with three changes to how the critic and the actor see the batch.
   advantages are multiplied by ``C_i`` (a truncated response has exactly zero actor gradient), while every rollout
   still trains the critic, which so learns ``E[R | s]`` rather than ``E[R | s, C = 1]``.
 * **Noise-weighted critic loss**: each row's value loss is weighted by its prompt's
-  ``w_x = max(Var_pop(R_x), w_min)^(-β)``, normalised to mean 1 over the batch (``functional.variance_weights``;
-  β = 0.5): high-variance prompts count less, their targets unchanged.
+  ``w_x = 1 / max(Var_pop(R_x)^β, w_min)``, normalised to mean 1 over the batch (``functional.variance_weights``,
+  the reference's parametrisation; β = 0.5, ``w_min = 0.25``): high-variance prompts count less, their targets
+  unchanged.
 * **Smaller critic minibatches**: the critic is trained in its own passes of ``critic_minibatches`` minibatches
   (the reference: 4 per rollout batch), each gradient clipped to ``critic_max_grad_norm`` (``ActorCritic``'s
   schedule), so an outlier suppresses only its own minibatch through the shared rescaling.
@@ -33,9 +34,9 @@ class EasyPPO(PPO):
     """PPO with the actor-only truncation filter, noise-weighted critic loss and small clipped critic minibatches.
 
     Args:
-        variance_floor: ``w_min``, the floor on the group's reward variance (the reference: 0.25 or 0.075; for 0/1
-            rewards the variance lies in ``[0, 0.25]``, so 0.25 makes every weight equal).
-        variance_beta: β of ``w = max(Var, w_min)^(-β)``.
+        w_min: the floor on ``Var^β`` (the reference's; at β = 0.5 a floor on the standard deviation: its shipped
+            0.25 is a variance floor of 0.0625, so for 0/1 rewards, ``σ ≤ 0.5``, the weights span at most 2x).
+        variance_beta: β of ``w = 1 / max(Var^β, w_min)``.
         filter_truncated: apply ``C_i`` to the actor (``False``: every response trains the actor, as PPO).
         critic_updates, critic_minibatches, critic_max_grad_norm: ``ActorCritic``'s schedule; the defaults are the
             reference's (one critic pass of 4 minibatches per rollout batch, each clipped to norm 1).
@@ -46,21 +47,20 @@ class EasyPPO(PPO):
 
     min_group_size = 2
 
-    def __init__(self, variance_floor: float = 0.075, variance_beta: float = 0.5, filter_truncated: bool = True,
+    def __init__(self, w_min: float = 0.25, variance_beta: float = 0.5, filter_truncated: bool = True,
                  critic_updates: int = 1, critic_minibatches: int = 4, critic_max_grad_norm: float | None = 1.0,
                  **kwargs: Any) -> None:
         super().__init__(critic_updates=critic_updates, critic_minibatches=critic_minibatches,
                          critic_max_grad_norm=critic_max_grad_norm, **kwargs)
-        if not variance_floor > 0 or variance_beta < 0:
-            raise ValueError(f"EasyPPO: need variance_floor > 0 and variance_beta >= 0, got {variance_floor}, "
-                             f"{variance_beta}")
-        self.variance_floor, self.variance_beta = float(variance_floor), float(variance_beta)
+        if not w_min > 0 or variance_beta < 0:
+            raise ValueError(f"EasyPPO: need w_min > 0 and variance_beta >= 0, got {w_min}, {variance_beta}")
+        self.w_min, self.variance_beta = float(w_min), float(variance_beta)
         self.filter_truncated = filter_truncated
 
     @override
     def compute_advantages(self, batch: RolloutBatch) -> Tensor:
         advantages = super().compute_advantages(batch)  # GAE over every row: the critic's returns keep them all
-        batch.extras[_WEIGHTS] = variance_weights(batch.rewards.float(), batch.group_size, self.variance_floor,
+        batch.extras[_WEIGHTS] = variance_weights(batch.rewards.float(), batch.group_size, self.w_min,
                                                   self.variance_beta)
         if self.filter_truncated:
             advantages = advantages * (~batch.truncated).to(advantages.dtype).unsqueeze(-1)  # C_i on the actor only

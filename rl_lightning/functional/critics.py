@@ -86,25 +86,26 @@ def divergence_clip_bounds(logp_rollout: Tensor, eps: float) -> tuple[Tensor, Te
 
 def variance_weights(rewards: Tensor, group_size: int, w_min: float, beta: float = 0.5) -> Tensor:
     """EasyPPO's noise-weighted critic loss weights (spec 000, "Stabilizing policy updates", EasyPPO,
-    "Noise-weighted critic loss"): ``w_x = max(Var_pop(R_x), w_min)^(-β)``, normalised to mean 1 over the rows.
+    "Noise-weighted critic loss"): ``w_x = 1 / max(Var_pop(R_x)^β, w_min)``, normalised to mean 1 over the rows.
 
     ``Var_pop(R_x)`` is the population variance (1/G) of the rewards of prompt ``x``'s group (a contiguous block
     of ``group_size`` rows); each row gets its prompt's weight, and the weights are divided by their mean, so the
     weighted critic loss ``E[w_x (V(s_{i,t}) - R_i)^2]`` keeps the scale of the plain MSE (and equals it when
-    every prompt has the same variance). With β = 1/2 this is the spec's ``1 / max(σ̂_x, ε)`` with
-    ``ε = sqrt(w_min)``: the floor is on the **variance**. A zero-variance prompt (e.g. all rollouts equal) gets
-    the largest weight ``w_min^(-β)``; with ``group_size = 1`` every variance is 0, so every weight is 1.
+    every prompt has the same variance).
 
-    Reference settings (EasyPPO, arXiv 2609.36802, NOTES §20): β = 0.5, w_min = 0.25 or 0.075. EasyPPO's released
-    code (``compute_prompt_variance_loss_weights``) floors ``Var^β`` rather than ``Var``, i.e.
-    ``1 / max(Var^β, w_min)``; the two agree at β = 1 (their test case: rewards ``[0, 1, 0.5, 0.5]``, G = 2,
-    β = 1, w_min = 0.01 give ``[4, 4, 100, 100] / 52``) and differ otherwise; this function follows the floor on
-    the variance. The weights are constants: the rewards are detached.
+    This is the reference's parametrisation (EasyPPO's ``compute_prompt_variance_loss_weights``:
+    ``1 / clamp(Var^β, min=w_min)``; NOTES §20): the floor is on ``Var^β``, so at β = 1/2 it is the spec's
+    ``1 / max(σ̂_x, ε)`` with ``ε = w_min`` on the standard deviation. The reference's shipped setting
+    β = 0.5, ``w_min = 0.25`` is a variance floor of ``0.25² = 0.0625`` (for 0/1 rewards ``σ ≤ 0.5``). A
+    zero-variance prompt (e.g. all rollouts equal) gets the largest weight ``1 / w_min``; with ``group_size = 1``
+    every variance is 0, so every weight is 1; β = 0 gives ``Var^0 = 1`` and all ones. Their test case: rewards
+    ``[0, 1, 0.5, 0.5]``, G = 2, β = 1, ``w_min = 0.01`` give ``[4, 4, 100, 100] / 52``. The weights are
+    constants: the rewards are detached.
 
     Args:
         rewards: ``[B]`` scalar reward (return) per response, groups contiguous.
         group_size: ``G >= 1``, responses per prompt; must divide ``B``.
-        w_min: the variance floor, > 0.
+        w_min: the floor on ``Var^β`` (on the standard deviation at β = 1/2), > 0.
         beta: the exponent β >= 0 (β = 0 gives all ones).
 
     Returns:
@@ -125,7 +126,7 @@ def variance_weights(rewards: Tensor, group_size: int, w_min: float, beta: float
         raise ValueError(f"variance_weights: beta must be a finite number >= 0, got {beta}")
     grouped = rewards.detach().to(_float_dtype(rewards)).view(-1, group_size)  # [P, G]
     variance = grouped.var(dim=1, unbiased=False)  # population variance per prompt, [P]
-    weights = variance.clamp_min(w_min).pow(-beta)
+    weights = variance.pow(beta).clamp_min(w_min).reciprocal()
     # every prompt has G rows, so the mean over the prompts is the mean over the rows
     weights = weights / weights.mean()
     return weights.repeat_interleave(group_size)
@@ -142,8 +143,8 @@ def band_mask_weights(ratio: Tensor, eps_low: float, eps_high: float) -> Tensor:
     ``ratio`` before the comparison, so a ratio equal to a bound in that dtype is outside. ``ratio`` must come
     from plain sampling (T = 1, top-p = 1) or a matching recomputation of μ, else it is wrong (NOTES §20).
 
-    Reference settings (NOTES §20): math ε_ℓ = 0.3, ε_h = 5.0, i.e. the band (0.7, 6.0); coding/SWE "(0.2, 4.0)"
-    as NOTES lists it (read as ε_ℓ = 0.2, ε_h = 4.0, the band (0.8, 5.0); check the source before relying on it).
+    Reference settings (NOTES §20): math ε_ℓ = 0.3, ε_h = 5.0, i.e. the band (0.7, 6.0); coding/SWE: the band
+    (0.2, 4.0) itself, i.e. ε_ℓ = 0.8, ε_h = 3.0.
 
     Args:
         ratio: ``ρ`` per token, any shape (``[B, T]``), float; differentiable.

@@ -91,7 +91,7 @@ def test_easyppo_a_truncated_response_trains_the_critic_and_not_the_actor():
 
 def test_easyppo_value_loss_with_equal_variances_is_the_plain_value_loss_and_otherwise_the_weighted_one():
     torch.manual_seed(0)
-    module = EasyPPO(model_name_or_path="embedded:random", critic="separate", variance_floor=0.01, value_clip=None)
+    module = EasyPPO(model_name_or_path="embedded:random", critic="separate", w_min=0.01, value_clip=None)
     plain = PPO(model_name_or_path="embedded:random", critic="separate", value_clip=None)
     for rewards, equal in (([0.0, 1.0, 1.0, 0.0], True), ([0.0, 1.0, 0.5, 0.5], False)):
         batch = _batch([4, 4, 3, 2], rewards)
@@ -105,8 +105,8 @@ def test_easyppo_value_loss_with_equal_variances_is_the_plain_value_loss_and_oth
         if equal:
             torch.testing.assert_close(ours, base)
         else:
-            # Var = 0.25 and 0 (floored at 0.01): w ∝ 2 and 10, normalised to mean 1 -> [1/3, 1/3, 5/3, 5/3]
-            torch.testing.assert_close(row.squeeze(-1), torch.tensor([1 / 3, 1 / 3, 5 / 3, 5 / 3]))
+            # Var^0.5 = 0.5 and 0 (floored at w_min = 0.01): w ∝ 2 and 100, normalised to mean 1 -> [2, 2, 100, 100] / 51
+            torch.testing.assert_close(row.squeeze(-1), torch.tensor([2 / 51, 2 / 51, 100 / 51, 100 / 51]))
             weighted = (0.5 * (values - batch.returns) ** 2 * batch.loss_mask * weights * row).sum()
             torch.testing.assert_close(ours, weighted)
             assert not torch.allclose(ours, base)

@@ -139,24 +139,31 @@ def test_easyppo_reference_case(dtype):
     assert w[0] == w[1] and w[2] == w[3]  # every row carries its prompt's weight
 
 
-def test_floor_is_on_the_variance_at_reference_beta():
-    # β = 0.5, w_min = 0.075 (NOTES §20). Groups of 4:
-    #   [0, 1, 0, 1]      Var = 0.25    -> 0.25^-0.5 = 2
-    #   [1, 1, 1, 1]      Var = 0       -> 0.075^-0.5 = 3.6515 (the largest weight)
-    #   [0, 0, 0, 1]      Var = 3/16    -> 0.1875^-0.5 = 2.3094
-    #   [0.4, 0.6, ...]   Var = 0.01    -> floored to 0.075 -> 3.6515 (flooring Var^β instead would give 1/0.1 = 10)
+def test_floor_is_on_var_to_the_beta_at_reference_beta():
+    # The reference's form 1 / max(Var^β, w_min), β = 0.5, w_min = 0.25 (its shipped setting; NOTES §20).
+    # Groups of 4:
+    #   [0, 1, 0, 1]      Var = 0.25  σ = 0.5     -> 1/0.5 = 2
+    #   [1, 1, 1, 1]      Var = 0     σ = 0       -> floored at 0.25 -> 4 (the largest weight)
+    #   [0, 0, 0, 1]      Var = 3/16  σ = 0.4330  -> 2.3094
+    #   [0.4, 0.6, ...]   Var = 0.01  σ = 0.1     -> floored at 0.25 -> 4 (a floor on Var itself, the other
+    #                                                 reading, would give max(0.01, 0.25)^-0.5 = 2)
     rewards = torch.tensor([0, 1, 0, 1, 1, 1, 1, 1, 0, 0, 0, 1, 0.4, 0.6, 0.4, 0.6], dtype=torch.float64)
-    w = variance_weights(rewards, group_size=4, w_min=0.075, beta=0.5)
-    raw = [2.0, 0.075**-0.5, (3 / 16) ** -0.5, 0.075**-0.5]
+    w = variance_weights(rewards, group_size=4, w_min=0.25, beta=0.5)
+    raw = [2.0, 4.0, (3 / 16) ** -0.5, 4.0]
     mean = sum(raw) / 4
     expected = [r / mean for r in raw for _ in range(4)]
+    # a handful of correctly rounded operations per weight (var, pow, max, reciprocal, mean, division): 16 u
     assert w.tolist() == pytest.approx(expected, rel=16 * U64, abs=0)
+    # the reference's shipped setting equals a variance floor of w_min^(1/β) = 0.0625 in the other form
+    var = rewards.view(4, 4).var(dim=1, unbiased=False)
+    other = var.clamp_min(0.25 ** 2).pow(-0.5)
+    assert w.tolist() == pytest.approx((other / other.mean()).repeat_interleave(4).tolist(), rel=16 * U64, abs=0)
 
 
 def test_equal_variance_gives_ones_and_the_weighted_value_loss_is_plain_mse():
     # every prompt's variance is exactly 0.25 (the rewards are exact binary fractions)
     rewards = torch.tensor([0.0, 1.0, 1.0, 0.0, 0.5, 1.5, 2.0, 3.0])
-    w = variance_weights(rewards, group_size=2, w_min=0.075, beta=0.5)
+    w = variance_weights(rewards, group_size=2, w_min=0.25, beta=0.5)
     assert torch.equal(w, torch.ones(8))
     gen = torch.Generator().manual_seed(1)
     values = torch.rand(8, 5, generator=gen).requires_grad_()
@@ -178,22 +185,22 @@ def test_mean_is_one_and_noisier_prompts_weigh_less():
     gen = torch.Generator().manual_seed(2)
     rewards = (torch.rand(32, generator=gen) < 0.5).float()  # binary rewards, G = 4: Var in {0, 3/16, 1/4}
     for dtype, u in ((torch.float32, U32), (torch.float64, U64)):
-        w = variance_weights(rewards.to(dtype), group_size=4, w_min=0.075, beta=0.5)
+        w = variance_weights(rewards.to(dtype), group_size=4, w_min=0.25, beta=0.5)
         # summing 32 terms: at most 32 roundings of u relative to the (positive) sum, plus the division
         assert abs(w.mean().item() - 1.0) <= 33 * u
         assert (w > 0).all()
-        var = rewards.view(8, 4).var(dim=1, unbiased=False).to(dtype).repeat_interleave(4)
+        sd = rewards.view(8, 4).var(dim=1, unbiased=False).to(dtype).sqrt().repeat_interleave(4)
         for i in range(32):
             for j in range(32):
-                if max(var[i], 0.075) > max(var[j], 0.075):
+                if max(sd[i], 0.25) > max(sd[j], 0.25):
                     assert w[i] < w[j]
 
 
 def test_beta_zero_and_group_size_one_give_ones():
     gen = torch.Generator().manual_seed(3)
     rewards = torch.rand(12, generator=gen)
-    assert torch.equal(variance_weights(rewards, group_size=4, w_min=0.075, beta=0.0), torch.ones(12))
-    # one response per prompt: every variance is 0 (floored to w_min), so every weight is the same
+    assert torch.equal(variance_weights(rewards, group_size=4, w_min=0.25, beta=0.0), torch.ones(12))
+    # one response per prompt: every variance is 0 (Var^β floored to w_min), so every weight is the same
     assert torch.equal(variance_weights(rewards, group_size=1, w_min=0.25), torch.ones(12))
 
 
