@@ -14,7 +14,7 @@ step the producer generates next (a batch being generated at that moment is not 
 not yet passed, so a resumed producer generates it again); ``load_state_dict`` puts them back, and the resumed
 learner consumes the saved batches first. Which version draws which batch depends on thread timing, so an
 asynchronous run is not bit-reproducible (a synchronous one is); each batch's own sampling is still seeded by its
-stream step.
+stream step (its auxiliary draws too), so a batch is the synchronous batch of its step drawn with the same weights.
 """
 
 from __future__ import annotations

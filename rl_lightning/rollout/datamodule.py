@@ -148,7 +148,6 @@ class RolloutDataModule(LightningDataModule):
                              f"producer's copy of the policy is the lag), got {sampler_sync_interval}")
         self.async_queue, self.max_staleness = async_queue, max_staleness
         self._producer: RolloutProducer | None = None
-        self._aux_generator: torch.Generator | None = None
         self.cursor = 0  # training steps drawn so far (the stream position)
         self.generator: torch.Generator | None = None
         self._sampler: nn.Module | None = None  # the lagged copy when sampler_sync_interval > 1
@@ -267,17 +266,18 @@ class RolloutDataModule(LightningDataModule):
         ids = list(tok(after[len(turn_end):], add_special_tokens=False)["input_ids"])
         return ids if closed else [tok.eos_token_id, *ids]
 
-    def sampler_extras(self, generator: torch.Generator | None) -> dict[str, Any]:
-        """The engine arguments for the extra sampler outputs requested (none for held-out rollouts)."""
+    def sampler_extras(self, generator: torch.Generator | None, step: int) -> dict[str, Any]:
+        """The engine arguments for the extra sampler outputs requested for training stream step ``step`` (none
+        for held-out rollouts). The auxiliary draws get a generator of their own, seeded from
+        ``(seed, rank, step)`` like the sampling one, so an asynchronous batch (drawn on the producer's thread
+        while the learner's cursor moves) has the draws of the synchronous batch of its step."""
         if generator is None or not (self.record_topk or self.record_aux_draws):
             return {}
         extras: dict[str, Any] = {"topk": self.record_topk, "aux_draws": self.record_aux_draws}
         if self.record_aux_draws:
-            if self._aux_generator is None or self._aux_generator.device != generator.device:
-                self._aux_generator = torch.Generator(device=generator.device)
             rank, _ = self._world()
-            self._aux_generator.manual_seed(((self.seed * 1_000_003 + rank) * 1_000_033 + self.cursor) * 31 + 7)
-            extras["aux_generator"] = self._aux_generator
+            aux = torch.Generator(device=generator.device)
+            extras["aux_generator"] = aux.manual_seed(((self.seed * 1_000_003 + rank) * 1_000_033 + step) * 31 + 7)
         return extras
 
     def _generator(self, device: torch.device, step: int) -> torch.Generator:

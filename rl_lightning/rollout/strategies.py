@@ -118,7 +118,7 @@ class GroupRollout(RolloutStrategy):
         turn_tokens = self.max_turn_tokens or dm.max_new_tokens
         common = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, temperature=dm.temperature,
                       top_p=dm.top_p, greedy=not train, generator=generator)
-        extras = dm.sampler_extras(generator)
+        extras = dm.sampler_extras(generator, batch.step)
         if self.max_turns == 1:
             gen = dm.engine.generate(model, prompt_ids, prompt_mask, turn_tokens, **common, **extras)
             t1 = time.perf_counter()
@@ -280,7 +280,7 @@ class BranchRollout(GroupRollout):
         prompt_ids, prompt_mask = left_pad(contexts, tok.pad_token_id, device)
         turn_tokens = self.max_turn_tokens or dm.max_new_tokens
         common = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, temperature=dm.temperature,
-                      top_p=dm.top_p, greedy=False, generator=generator, **dm.sampler_extras(generator))
+                      top_p=dm.top_p, greedy=False, generator=generator, **dm.sampler_extras(generator, batch.step))
         gen = self._episodes(dm, model, prompt_ids, prompt_mask, episodes, turn_tokens, common)
         responses = [tok.decode(ids, skip_special_tokens=False) for ids in self._response_lists(gen)]
         indices = [batch.step * len(branches) + k // self.n for k in range(len(prompts))]

@@ -8,11 +8,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from rollout_helpers import fake_trainer
+from rollout_helpers import fake_trainer, model_logprob_tolerance
 
 from rl_lightning.algorithms import GRPO
 from rl_lightning.envs import ArithmeticTask
-from rl_lightning.rollout import RolloutDataModule
+from rl_lightning.rollout import GroupRollout, RolloutDataModule
+from rl_lightning.rollout.generation import position_ids_from_mask
 from tests.conftest import tiny_datamodule, tiny_trainer
 
 
@@ -70,6 +71,37 @@ def test_the_learner_never_consumes_a_batch_older_than_the_bound():
         with torch.no_grad():
             learner = module.forward_policy(batch).logprobs
         assert (learner - batch.sampler_logprobs)[batch.loss_mask.bool()].abs().max() < 1e-4
+    finally:
+        dm.teardown("fit")
+
+
+@pytest.mark.parametrize("strategy", [None, GroupRollout(max_turns=2)], ids=["single_turn", "episodes"])
+def test_an_asynchronous_batch_is_the_synchronous_batch_of_its_step_extras_included(strategy):
+    """With the same weights (the learner never updates here), the producer's batch of stream step k is the
+    synchronous rollout of step k: sampled ids, log-probs, top-k and the auxiliary draws, whichever step the
+    learner's cursor is at while the producer draws."""
+    torch.manual_seed(0)
+    module = GRPO(model_name_or_path="embedded:random")
+    extras = dict(record_topk=2, record_aux_draws=3, strategy=strategy)
+    sync = RolloutDataModule(ArithmeticTask(num_heldout=4), prompts_per_step=2, group_size=2, max_new_tokens=3,
+                             **extras)
+    sync.trainer = fake_trainer(module)
+    dm = _dm(module, [0], **extras)
+    try:
+        for step in range(3):
+            got, want = _take(dm, step), sync.rollout(sync.prompt_batch(step))
+            for name in ("input_ids", "loss_mask", "topk_ids", "aux_ids"):
+                assert torch.equal(getattr(got, name), getattr(want, name)), (step, name)
+            # the log-probs: the same arithmetic, but on the producer's thread the kernels may split their
+            # reductions differently (1-ulp differences seen), so within float32 rounding of this model
+            with torch.no_grad():
+                hidden = module.policy(input_ids=got.input_ids, attention_mask=got.attention_mask,
+                                       position_ids=position_ids_from_mask(got.attention_mask),
+                                       output_hidden_states=True).hidden_states[-1][:, got.prompt_length - 1:-1]
+            tol = model_logprob_tolerance(module.policy, hidden[got.loss_mask.bool()], got.temperature,
+                                          context_length=got.input_ids.shape[1])
+            for name in ("sampler_logprobs", "topk_logprobs"):
+                assert (getattr(got, name) - getattr(want, name)).abs().max() <= tol, (step, name, tol)
     finally:
         dm.teardown("fit")
 
