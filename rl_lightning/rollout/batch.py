@@ -62,7 +62,8 @@ class RolloutBatch:
         rewards: ``[N]`` scalar reward per response.
         group_size: ``G``; rows ``[g*G, (g+1)*G)`` answer the same prompt.
         prompt_index: ``[N]`` stream index of each row's prompt (for per-prompt state).
-        truncated: ``[N]`` bool, True when the response hit ``max_new_tokens`` without EOS.
+        truncated: ``[N]`` bool, True when the response hit ``max_new_tokens`` without EOS (episodes: a turn or
+            token limit ended it, or its environment truncated it).
         temperature, top_p: the sampler's settings; the learner scores tokens under the same distribution.
         prompts, responses: ``N`` prompts and decoded responses (for rewards, logging and error messages).
         obs_mask: ``[N, T]`` 1 on observation tokens of multi-turn episodes (context, never loss), optional.

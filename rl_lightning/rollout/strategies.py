@@ -128,14 +128,19 @@ class GroupRollout(RolloutStrategy):
             fields: dict[str, Any] = {name: getattr(gen, name) for name in ("topk_ids", "topk_logprobs", "aux_ids")
                                       if getattr(gen, name, None) is not None}
             make = self._maker(dm, prompt_ids, prompt_mask, gen, group, indices, prompts, responses, t1 - t0, fields)
+            over = []
             try:
                 for row, response in enumerate(responses):
-                    episodes.step(row, response)
+                    over.append(episodes.step(row, response)[1])
             except RewardError as err:  # keep the responses so the failure can be replayed (FailureDump)
                 if train:
                     err.rollout_batch = make(episodes.returns(), time.perf_counter() - t1)  # type: ignore[attr-defined]
                 raise
-            return make(episodes.returns(), time.perf_counter() - t1, episodes)
+            batch_out = make(episodes.returns(), time.perf_counter() - t1, episodes)
+            # as in sample_episodes: the environment truncated it, or the turn limit ends an episode that goes on
+            cut = [truncated or not done for truncated, done in zip(episodes.env_truncated, over)]
+            batch_out.truncated = gen.truncated | torch.tensor(cut, device=gen.truncated.device)
+            return batch_out
         gen = self._episodes(dm, model, prompt_ids, prompt_mask, episodes, turn_tokens, {**common, **extras})
         t1 = time.perf_counter()
         responses = [tok.decode(ids, skip_special_tokens=False) for ids in self._response_lists(gen)]

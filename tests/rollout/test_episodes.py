@@ -146,6 +146,49 @@ def test_an_environment_that_raises_names_episode_turn_and_action(module, monkey
     assert batch.num_turns[1] == 2 and (batch.num_turns[[0, 2, 3, 4, 5]] == 3).all()
 
 
+class _EndingEnv(Environment):
+    """One answer to an arithmetic prompt, then ``ending``: ``"terminated"``, ``"truncated"`` (the environment's
+    own limit ends the episode) or ``"goes_on"`` (another turn, after the observation ``"more:"``)."""
+
+    def __init__(self, prompt: Prompt, ending: str) -> None:
+        self.prompt, self.ending = prompt, ending
+
+    def reset(self, seed=None, options=None):  # noqa: ANN001, ANN201
+        return self.prompt.text, {}
+
+    def step(self, action: str):  # noqa: ANN201
+        if self.ending == "goes_on":
+            return "more:", 0.0, False, False, {}
+        return "", 0.0, self.ending == "terminated", self.ending == "truncated", {}
+
+
+@pytest.mark.parametrize("max_turns", [1, 2])
+def test_the_single_turn_and_the_episode_path_mark_truncation_alike(max_turns):
+    """``max_turns=1`` (one generate call) and ``max_turns=2`` (``sample_episodes``) both flag an episode the
+    environment truncated, and one that the turn limit cuts while the environment would go on."""
+    from rl_lightning.envs import ArithmeticTask
+
+    class EndingTask(ArithmeticTask):
+        def __init__(self, ending: str) -> None:
+            super().__init__(num_heldout=4)
+            self.ending = ending
+
+        def make_env(self, prompt: Prompt, reward_fn: Any) -> _EndingEnv:
+            return _EndingEnv(prompt, self.ending)
+
+    module = GRPO(model_name_or_path="embedded:arithmetic")  # answers <= 3 digits, then EOS, within 4 tokens
+
+    def truncated(ending: str) -> list[bool]:
+        dm = RolloutDataModule(task=EndingTask(ending), prompts_per_step=4, group_size=2, max_new_tokens=4,
+                               strategy=GroupRollout(max_turns=max_turns))
+        dm.trainer = fake_trainer(module)
+        return dm.rollout(dm.prompt_batch(0)).truncated.tolist()
+
+    assert truncated("terminated") == [False] * 8  # every answer ended at EOS: nothing else cuts them
+    assert truncated("truncated") == [True] * 8
+    assert truncated("goes_on") == [True] * 8
+
+
 def test_per_row_extras_survive_select_and_unknown_attributes_are_refused(module):
     batch = rollout(module, GroupRollout(max_turns=3))
     batch.extras["score"] = torch.arange(6.0)
