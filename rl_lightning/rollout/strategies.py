@@ -63,7 +63,7 @@ class _Episodes:
             if self.on_error == "raise":
                 raise
             self.errors += 1
-            self.turn_rewards[row].append(0.0)
+            self.turn_rewards[row] = [0.0] * (len(self.turn_rewards[row]) + 1)  # it returns 0, whatever it earned
             return "", True
         self.turn_rewards[row].append(reward)
         self.env_truncated[row] = truncated

@@ -19,10 +19,10 @@ from tests.rollout.rollout_helpers import fake_trainer
 
 class CountdownEnv(Environment):
     """Replies ``"n<k>:"`` after each turn; ends after ``turns`` turns with reward = number of turns answered
-    ``"a"``; raises on the action ``"!"`` when ``fragile``."""
+    ``"a"`` (``pay``: that much every turn); raises on the action ``"!"`` when ``fragile``."""
 
-    def __init__(self, turns: int, fragile: bool = False) -> None:
-        self.turns, self.fragile, self.seen = turns, fragile, []
+    def __init__(self, turns: int, fragile: bool = False, pay: Any = None) -> None:
+        self.turns, self.fragile, self.pay, self.seen = turns, fragile, pay, []
 
     def reset(self, seed=None, options=None):  # noqa: ANN001, ANN201
         self.seen = []
@@ -33,12 +33,13 @@ class CountdownEnv(Environment):
             raise KeyError("boom")
         self.seen.append(action)
         done = len(self.seen) >= self.turns
-        return ("" if done else f"n{len(self.seen)}:"), float(action == "a"), done, False, {}
+        reward = float(action == "a") if self.pay is None else self.pay
+        return ("" if done else f"n{len(self.seen)}:"), reward, done, False, {}
 
 
 class CountdownTask(Task):
-    def __init__(self, turns: int = 3, fragile: bool = False) -> None:
-        self.turns, self.fragile = turns, fragile
+    def __init__(self, turns: int = 3, fragile: bool = False, pay: Any = None) -> None:
+        self.turns, self.fragile, self.pay = turns, fragile, pay
 
     def train_prompt(self, index: int) -> Prompt:
         return Prompt("go:", metadata={"uid": index % 3})
@@ -47,7 +48,7 @@ class CountdownTask(Task):
         return [Prompt("go:", metadata={"uid": 100 + i}) for i in range(4)]
 
     def make_env(self, prompt: Prompt, reward_fn: Any) -> CountdownEnv:
-        return CountdownEnv(self.turns, self.fragile)
+        return CountdownEnv(self.turns, self.fragile, self.pay)
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +123,7 @@ def test_single_turn_tasks_are_one_step_episodes(module):
     assert batch.prompt_id.tolist() == [p.uid for p in batch.prompts]
 
 
-def test_an_environment_that_raises_names_episode_turn_and_action(module, monkeypatch):
+def _row_1_answers_bang_in_its_second_turn(module: GRPO, monkeypatch: pytest.MonkeyPatch) -> None:
     from rl_lightning.rollout import episodes
 
     real = episodes.sample_episodes
@@ -138,12 +139,47 @@ def test_an_environment_that_raises_names_episode_turn_and_action(module, monkey
         return real(model, prompts, wrapped, **kwargs)
 
     monkeypatch.setattr("rl_lightning.rollout.strategies.sample_episodes", forcing)
+
+
+def test_an_environment_that_raises_names_episode_turn_and_action(module, monkeypatch):
+    _row_1_answers_bang_in_its_second_turn(module, monkeypatch)
     with pytest.raises(EnvError, match=r"CountdownEnv raised KeyError: 'boom' \(episode prompt='go:', turn 1, "
                                        r"action='!'\)"):
         rollout(module, GroupRollout(max_turns=3), task=CountdownTask(fragile=True))
     batch = rollout(module, GroupRollout(max_turns=3, env_errors="fail_episode"), task=CountdownTask(fragile=True))
     assert batch.env_errors == 1
     assert batch.num_turns[1] == 2 and (batch.num_turns[[0, 2, 3, 4, 5]] == 3).all()
+
+
+def test_a_failed_episode_returns_zero_whatever_its_earlier_turns_earned(module, monkeypatch):
+    """``env_errors="fail_episode"``: the episode whose environment raised at turn 1 returns 0 (its turn 0 paid
+    1.0), its turn rewards are 0, and the failure is counted in ``train/env_errors``."""
+    _row_1_answers_bang_in_its_second_turn(module, monkeypatch)
+    batch = rollout(module, GroupRollout(max_turns=3, env_errors="fail_episode"),
+                    task=CountdownTask(fragile=True, pay=1.0))
+    assert batch.rewards.tolist() == [3.0, 0.0, 3.0, 3.0, 3.0, 3.0]
+    assert batch.turn_rewards[1, :2].tolist() == [0.0, 0.0] and batch.turn_rewards[1, 2].isnan()
+    assert batch.num_turns.tolist() == [3, 2, 3, 3, 3, 3]
+    assert float(module.rollout_metrics(batch)["train/env_errors"]) == 1.0
+
+
+def test_a_failed_branch_episode_returns_zero_too(module, monkeypatch):
+    """A ``BranchRollout`` row that fails in its second continuation turn: return 0 and two turn rewards of 0,
+    the continuation's turns (not counting the prefix's)."""
+    from rl_lightning.rollout import Branch, BranchRollout
+
+    _row_1_answers_bang_in_its_second_turn(module, monkeypatch)
+    env = CountdownEnv(3, fragile=True, pay=1.0)
+    env.reset()
+    env.step("x")
+    strategy = BranchRollout(n=3, max_turns=2, env_errors="fail_episode")
+    dm = RolloutDataModule(task=CountdownTask(fragile=True, pay=1.0), prompts_per_step=1, group_size=3,
+                           max_new_tokens=3, strategy=strategy)
+    dm.trainer = fake_trainer(module)
+    strategy.set_branches([Branch(Prompt("go:"), [], env.snapshot(), turns=[("x", "n1:")])])
+    batch = dm.rollout(dm.prompt_batch(0))
+    assert batch.env_errors == 1 and batch.rewards.tolist() == [2.0, 0.0, 2.0]
+    assert batch.turn_rewards.tolist() == [[1.0, 1.0], [0.0, 0.0], [1.0, 1.0]]
 
 
 class _EndingEnv(Environment):
