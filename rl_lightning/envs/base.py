@@ -96,15 +96,19 @@ def score(reward_fn: RewardFunction, prompt: Prompt, response: str) -> float:
         raise RewardError(
             f"reward function {_reward_name(reward_fn)} raised {type(err).__name__}: {err} {inputs}"
         ) from err
-    value = _real_number(returned)
-    if value is None:
+    return checked_reward(returned, f"reward function {_reward_name(reward_fn)}", inputs)
+
+
+def checked_reward(value: object, source: str, context: str) -> float:
+    """``value`` as a float if it is one finite real number (``_real_number``), else a ``RewardError`` naming
+    ``source`` (what returned it) and ``context`` (what it was given)."""
+    number = _real_number(value)
+    if number is None:
         raise RewardError(
-            f"reward function {_reward_name(reward_fn)} returned {type(returned).__name__} "
-            f"{_short_repr(returned)}, not a real number {inputs}"
-        )
-    if not math.isfinite(value):
-        raise RewardError(f"reward function {_reward_name(reward_fn)} returned {value} {inputs}")
-    return value
+            f"{source} returned {type(value).__name__} {_short_repr(value)}, not a real number {context}")
+    if not math.isfinite(number):
+        raise RewardError(f"{source} returned {number} {context}")
+    return number
 
 
 class Task(ABC):

@@ -21,7 +21,7 @@ import copy
 from abc import ABC, abstractmethod
 from typing import Any
 
-from rl_lightning.envs.base import Prompt, RewardFunction, score
+from rl_lightning.envs.base import Prompt, RewardError, RewardFunction, checked_reward, score
 
 StepResult = tuple[str, float, bool, bool, dict[str, Any]]
 
@@ -37,6 +37,9 @@ class Environment(ABC):
     @abstractmethod
     def step(self, action: str) -> StepResult:
         """Apply the model's turn ``action``; return ``(observation, reward, terminated, truncated, info)``.
+
+        ``reward`` is one finite real number, as a reward function's (``int``/``float``/``bool``, a NumPy scalar,
+        a 0-dim tensor); anything else is refused with a ``RewardError`` naming the episode, turn and action.
 
         An action the environment cannot parse gets the environment's defined outcome (an observation saying
         so, a reward), never an exception.
@@ -84,16 +87,16 @@ class EnvError(RuntimeError):
 def env_step(env: Environment, action: str, prompt: Prompt, turn: int) -> StepResult:
     """``env.step(action)`` with a failure turned into ``EnvError`` naming prompt, turn and action.
 
-    A ``RewardError`` (a reward function that raised inside a single-turn step) passes unchanged.
+    A ``RewardError`` (a reward function that raised inside a single-turn step) passes unchanged; a turn reward
+    that is not one finite real number (``None``, a string, NaN, a sequence) is refused with a ``RewardError``
+    naming the environment, prompt, turn and action, as a reward function's is.
     """
-    from rl_lightning.envs.base import RewardError
-
+    where = f"(episode prompt={prompt.text!r}, turn {turn}, action={action!r})"
     try:
         observation, reward, terminated, truncated, info = env.step(action)
     except RewardError:
         raise
     except Exception as err:  # noqa: BLE001 -- re-raised with the episode's context
-        raise EnvError(
-            f"environment {type(env).__name__} raised {type(err).__name__}: {err} (episode prompt={prompt.text!r}, "
-            f"turn {turn}, action={action!r})") from err
-    return str(observation), float(reward), bool(terminated), bool(truncated), dict(info or {})
+        raise EnvError(f"environment {type(env).__name__} raised {type(err).__name__}: {err} {where}") from err
+    reward = checked_reward(reward, f"environment {type(env).__name__}.step", f"for the turn reward {where}")
+    return str(observation), reward, bool(terminated), bool(truncated), dict(info or {})

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import copy
+import math
 import pickle
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from rl_lightning.algorithms import GRPO
-from rl_lightning.envs import EnvError, Environment, Prompt, Task
+from rl_lightning.envs import EnvError, Environment, Prompt, RewardError, Task
 from rl_lightning.functional import gae
 from rl_lightning.functional.advantages import outcome_token_rewards
 from rl_lightning.rollout import GroupRollout, RolloutBatch, RolloutDataModule
@@ -223,6 +225,49 @@ def test_the_single_turn_and_the_episode_path_mark_truncation_alike(max_turns):
     assert truncated("terminated") == [False] * 8  # every answer ended at EOS: nothing else cuts them
     assert truncated("truncated") == [True] * 8
     assert truncated("goes_on") == [True] * 8
+
+
+class _RewardEnv(CountdownEnv):
+    """A ``CountdownEnv`` whose turn 1 pays ``value``."""
+
+    def __init__(self, value: Any) -> None:
+        super().__init__(turns=3)
+        self.value = value
+
+    def step(self, action: str):  # noqa: ANN201
+        observation, reward, terminated, truncated, info = super().step(action)
+        return observation, self.value if len(self.seen) == 2 else reward, terminated, truncated, info
+
+
+class _RewardTask(CountdownTask):
+    def __init__(self, value: Any) -> None:
+        super().__init__()
+        self.value = value
+
+    def make_env(self, prompt: Prompt, reward_fn: Any) -> _RewardEnv:
+        return _RewardEnv(self.value)
+
+
+@pytest.mark.parametrize("value, shown", [
+    (None, "NoneType None, not a real number"), ("1", "str '1', not a real number"), (math.nan, "nan"),
+    (math.inf, "inf"), (-math.inf, "-inf"), ([1.0], r"list \[1.0\], not a real number"),
+    (torch.tensor([1.0, 2.0]), r"Tensor tensor\(\[1., 2.\]\), not a real number"),
+    (1 + 0j, r"complex \(1\+0j\), not a real number"),
+])
+@pytest.mark.parametrize("env_errors", ["raise", "fail_episode"])
+def test_an_environment_turn_reward_that_is_not_a_finite_real_number_is_refused(module, value, shown, env_errors):
+    """As a reward function's output: a ``RewardError`` naming the environment, episode, turn and action, with
+    ``fail_episode`` too (a wrong reward is a bug in the environment, not an episode that failed)."""
+    with pytest.raises(RewardError, match=rf"environment _RewardEnv.step returned {shown} for the turn reward "
+                                          r"\(episode prompt='go:', turn 1, action=.+\)$"):
+        rollout(module, GroupRollout(max_turns=3, env_errors=env_errors), task=_RewardTask(value))
+
+
+@pytest.mark.parametrize("value", [True, np.float32(0.5), torch.tensor(0.5), 2])
+def test_an_environment_turn_reward_may_be_any_real_number(module, value):
+    """The numbers a reward function may return (``bool`` included, as ``numbers.Real``) are taken as floats."""
+    batch = rollout(module, GroupRollout(max_turns=3), task=_RewardTask(value))
+    assert batch.turn_rewards[:, 1].tolist() == [float(value)] * 6
 
 
 def test_per_row_extras_survive_select_and_unknown_attributes_are_refused(module):
