@@ -127,6 +127,12 @@ class Task(ABC):
         """The verifier used when the data module is given no ``reward_fn``."""
         return ExactMatchReward()
 
+    def episode_turns(self) -> int | None:
+        """The most model turns an episode of this task takes: 1 with the default ``make_env`` (one answer);
+        ``None`` (not said) for a task with its own environment unless it overrides this. A strategy whose
+        limits are for training only (``BranchRollout``) plays held-out episodes of up to this many turns."""
+        return 1 if type(self).make_env is Task.make_env else None
+
     def make_env(self, prompt: Prompt, reward_fn: RewardFunction) -> Any:
         """The environment of one episode on ``prompt`` (a ``rl_lightning.envs.Environment``).
 

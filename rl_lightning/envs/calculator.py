@@ -96,3 +96,6 @@ class CalculatorTask(Task):
 
     def make_env(self, prompt: Prompt, reward_fn: RewardFunction) -> CalculatorEnv:
         return CalculatorEnv(prompt, self.max_calls)
+
+    def episode_turns(self) -> int:
+        return self.max_calls + 1  # the tool calls, then the answer

@@ -78,3 +78,6 @@ class GuessNumberTask(Task):
 
     def make_env(self, prompt: Prompt, reward_fn: RewardFunction) -> GuessNumberEnv:
         return GuessNumberEnv(int(prompt.metadata["secret"]), self.low, self.high, self.max_guesses)
+
+    def episode_turns(self) -> int:
+        return self.max_guesses

@@ -61,7 +61,8 @@ class RolloutBatch:
         sampler_logprobs: ``[N, T]`` log-prob of each generated token under the sampler's distribution.
         rewards: ``[N]`` scalar reward per response.
         group_size: ``G``; rows ``[g*G, (g+1)*G)`` answer the same prompt.
-        prompt_index: ``[N]`` stream index of each row's prompt (for per-prompt state).
+        prompt_index: ``[N]`` stream index of each row's prompt (for per-prompt state; a ``BranchRollout`` row:
+            its branch's ``prompt_index``, -1 for a branch that has none).
         truncated: ``[N]`` bool, True when the response hit ``max_new_tokens`` without EOS (episodes: a turn or
             token limit ended it, or its environment truncated it).
         temperature, top_p: the sampler's settings; the learner scores tokens under the same distribution.

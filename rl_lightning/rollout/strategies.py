@@ -227,6 +227,7 @@ class Branch:
     env_state: Any = None  # ``Environment.snapshot()`` at the end of the prefix; None: the state after reset
     pending_ids: list[int] = field(default_factory=list)  # the unfinished turn's ids (a suffix of prefix_ids)
     turns: list[tuple[str, str]] = field(default_factory=list)  # (action, observation) texts of the prefix
+    prompt_index: int = -1  # the prompt's stream index (its rows' ``RolloutBatch.prompt_index``); -1: none
 
 
 class BranchRollout(GroupRollout):
@@ -236,8 +237,10 @@ class BranchRollout(GroupRollout):
     Each branch gives ``n`` contiguous rows (``group_size = n``): the prompt part of a row is the branch's
     first observation followed by its prefix ids (context, no loss); the response is the continuation, for up
     to ``max_turns`` more turns in the environment restored to ``env_state``. The first action the
-    environment sees is the branch's ``pending_ids`` followed by what was sampled. Held-out batches are plain
-    greedy episodes, as with ``GroupRollout``.
+    environment sees is the branch's ``pending_ids`` followed by what was sampled; a row's ``prompt_index`` is
+    its branch's. Held-out batches are plain greedy episodes, whatever the branches' limits: a
+    ``GroupRollout`` of up to ``Task.episode_turns()`` turns (the branches' ``max_turns`` for a task that does not
+    say) of the data module's ``max_new_tokens`` each, with the default episode budget.
 
     The branches of a step are read when its rollout starts: ``set_branches(list)`` for the next step, or
     ``branches_from(fn)`` with ``fn(step) -> list[Branch]`` called at every step.
@@ -259,10 +262,15 @@ class BranchRollout(GroupRollout):
         """Ask ``fn(step)`` for the branches of every training step (``None``: stop asking)."""
         self._fn = fn
 
+    def heldout(self, dm: RolloutDataModule) -> GroupRollout:
+        """The strategy of held-out episodes: plain ones, limited by the task, not by the branches' limits."""
+        return GroupRollout(max_turns=dm.task.episode_turns() or self.max_turns, stop_strings=self.stop_strings,
+                            env_errors=self.env_errors, carry_cache=self.carry_cache)
+
     def rollout(self, dm: RolloutDataModule, batch: PromptBatch, model: nn.Module,
                 generator: torch.Generator | None) -> RolloutBatch:
         if batch.split != "train":
-            return super().rollout(dm, batch, model, generator)
+            return self.heldout(dm).rollout(dm, batch, model, generator)
         branches = self._next if self._next is not None else self._fn(batch.step) if self._fn else None
         self._next = None
         if not branches:
@@ -288,7 +296,7 @@ class BranchRollout(GroupRollout):
                       top_p=dm.top_p, greedy=False, generator=generator, **dm.sampler_extras(generator, batch.step))
         gen = self._episodes(dm, model, prompt_ids, prompt_mask, episodes, turn_tokens, common)
         responses = [tok.decode(ids, skip_special_tokens=False) for ids in self._response_lists(gen)]
-        indices = [batch.step * len(branches) + k // self.n for k in range(len(prompts))]
+        indices = [b.prompt_index for b in branches for _ in range(self.n)]
         make = self._maker(dm, prompt_ids, prompt_mask, gen, self.n, indices, prompts, responses,
                            time.perf_counter() - t0, self._episode_fields(gen))
         out = make(episodes.returns(), 0.0, episodes)

@@ -145,3 +145,43 @@ def test_branching_continues_n_times_from_a_saved_state_and_prefix(monkeypatch):
     assert (batch.num_turns <= 2).all()
     with pytest.raises(ValueError, match="no branches for step 1"):
         dm.rollout(dm.prompt_batch(1))
+
+
+def test_a_branch_rows_prompt_index_is_its_prompts_stream_index():
+    from rl_lightning.envs import GuessNumberTask
+    from rl_lightning.rollout import Branch, BranchRollout
+
+    torch.manual_seed(0)
+    module = GRPO(model_name_or_path="embedded:random")
+    task = GuessNumberTask()
+    strategy = BranchRollout(n=2, max_turns=2)
+    dm = _bound(RolloutDataModule(task=task, prompts_per_step=1, group_size=2, max_new_tokens=3,
+                                  strategy=strategy), module)
+    dm.cursor = 4  # step 4, from prompts an earlier step drew (stream indices 7 and 3), and one from no stream
+    strategy.set_branches([Branch(task.train_prompt(7), prompt_index=7), Branch(task.train_prompt(3), prompt_index=3),
+                           Branch(task.heldout_prompts()[0])])
+    batch = dm.rollout(dm.prompt_batch(4))
+    assert batch.prompt_index.tolist() == [7, 7, 3, 3, -1, -1]
+    assert batch.prompt_id.tolist() == [p.uid for p in (task.train_prompt(i) for i in (7, 7, 3, 3))] + [1, 1]
+
+
+def test_branch_rollout_plays_held_out_episodes_with_the_tasks_limits_not_the_branches():
+    """Held-out evaluation does not depend on the training strategy: with ``BranchRollout(max_turns=2)`` (the
+    continuations' limit) the greedy held-out episodes of guess-the-number are those of configs/tasks/guess.yaml's
+    ``GroupRollout(max_turns=5)``: 11 of the 31 secrets found by the warm start (val/reward 0.355), not 3."""
+    from rl_lightning.envs import GuessNumberTask
+    from rl_lightning.rollout import BranchRollout, GroupRollout
+
+    module = GRPO(model_name_or_path="embedded:guess")
+
+    def heldout(strategy):
+        dm = _bound(RolloutDataModule(task=GuessNumberTask(), prompts_per_step=1, group_size=2, max_new_tokens=3,
+                                      val_batch_size=31, strategy=strategy), module)
+        (batch,) = dm.val_prompt_batches()
+        return dm.rollout(batch)
+
+    plain = heldout(GroupRollout(max_turns=5, max_episode_tokens=32))
+    branched = heldout(BranchRollout(n=2, max_turns=2, max_episode_tokens=32))
+    assert plain.rewards.sum() == 11 and plain.num_rows == 31
+    assert torch.equal(branched.rewards, plain.rewards) and torch.equal(branched.num_turns, plain.num_turns)
+    assert torch.equal(branched.input_ids, plain.input_ids) and torch.equal(branched.truncated, plain.truncated)
