@@ -17,6 +17,10 @@ What it adds to a plain ``LightningCLI``:
 * ``--ckpt_path FILE`` resumes with the configuration given, not the hyperparameters stored in the checkpoint
   (settings that differ are listed in a warning).
 * The optimiser is set in one place, ``model.init_args.optimizer`` (the top-level ``--optimizer`` is refused).
+* ``trainer.callbacks`` of a stacked config, and ``--trainer.callbacks+=CLASS [--trainer.callbacks.KEY VALUE]``,
+  add to the callback list; an entry of a class already there updates that entry (``config_check.merge_callbacks``),
+  so a preset never drops the method config's callbacks and ``--trainer.callbacks+=KLRegularizer
+  --trainer.callbacks.beta 0.04`` turns the configs' KL penalty on.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 import rl_lightning
-from rl_lightning import runs
+from rl_lightning import config_check, runs
 from rl_lightning.algorithms.base import RLModule
 from rl_lightning.callbacks.safety import (
     AtomicCheckpointIO, FailureDump, GracefulInterrupt, RunInterrupted, checkpoint_dir,
@@ -62,6 +66,22 @@ class _Parser(LightningArgumentParser):
         if not self.exit_on_error:  # jsonargparse's internal attempts expect its own exception
             return super().error(message, ex)
         raise ConfigParseError(message) from ex
+
+    def parse_args(self, args: Any = None, *rest: Any, **kwargs: Any) -> Namespace:
+        """``--trainer.callbacks+=CLASS`` as a stacked config (``config_check.callback_appends_as_configs``)."""
+        args = sys.argv[1:] if args is None else args
+        return super().parse_args(config_check.callback_appends_as_configs(list(args)), *rest, **kwargs)
+
+    def _apply_actions(self, cfg: Any, parent_key: str = "", prev_cfg: Namespace | None = None,
+                       **kwargs: Any) -> Namespace:
+        """A stacked config's ``trainer.callbacks`` adds to the list before it (``config_check.merge_callbacks``)
+        instead of replacing it, so that a task preset with a callback keeps the method config's callbacks."""
+        trainer = cfg.get("trainer") if isinstance(cfg, dict) and not parent_key else None
+        before = prev_cfg.get("trainer.callbacks") if isinstance(prev_cfg, Namespace) else None
+        if isinstance(trainer, dict) and isinstance(trainer.get("callbacks"), (list, dict)) and before:
+            merged, _ = config_check.merge_callbacks(before, trainer["callbacks"])
+            cfg = {**cfg, "trainer": {**trainer, "callbacks": merged}}
+        return super()._apply_actions(cfg, parent_key, prev_cfg, **kwargs)
 
 
 class _RunLineage(Callback):
@@ -327,20 +347,45 @@ def _section(exc: BaseException) -> str:
 
 def _parse_error_line(message: str, args: list[str]) -> str:
     """One line for a refused configuration: every problem ``config_check`` finds, else jsonargparse's gist."""
-    from rl_lightning import config_check
-
     subcommand_args = args[1:] if args and not args[0].startswith("-") else args
     problems = config_check.check(subcommand_args)
     if problems:
         return "; ".join(str(p) for p in problems)
-    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
-    detail = [line for line in lines if re.match(r"(- )?(Expected|Option|Key|Not a valid|Unrecognized|Does not|"
-                                                  r"Problem|Parser key|Import path)", line)]
-    key = re.search(r"NestedArg\(key='([^']+)', val='([^']*)'\)", message)
-    gist = lines[0] if lines else message
-    if key:
-        gist = f"{key.group(1)}={key.group(2)!r}: " + "; ".join(d.lstrip("- ") for d in detail[-2:] or lines[:1])
-    return gist
+    return _jsonargparse_gist(message)
+
+
+#: jsonargparse's lines about the union it tried, not about the problem
+_UNION_NOISE = re.compile(r"(Does not validate against any|Subtypes:|Errors:|Given value|Expected a <class 'NoneType'>|"
+                          r"Expected a path but|Problem with given class_path)")
+
+
+def _jsonargparse_gist(message: str) -> str:
+    """``key: cause`` from jsonargparse's nested message: the innermost causes, under the chain of keys
+    (``Parser key "data"`` > ``"task"`` > ``"operations"`` -> ``data.init_args.task.init_args.operations``)."""
+    lines = [(len(line) - len(line.lstrip()), line.strip().removeprefix("- ").strip())
+             for line in message.splitlines() if line.strip()]
+    keys: list[tuple[int, str]] = []  # the open "Parser key" chain: (indent, key)
+    causes: list[tuple[int, list[str], str]] = []  # (indent, keys above it, text)
+    for indent, text in lines:
+        keys = [(i, k) for i, k in keys if i < indent]
+        key = re.match(r'Parser key "([^"]+)"', text)
+        if key:
+            keys.append((indent, key.group(1)))
+        elif text and not _UNION_NOISE.match(text):
+            causes.append((indent, [k for _, k in keys], text))
+    if not causes:
+        return lines[0][1] if lines else message
+    depth = max(indent for indent, _, _ in causes)
+    chain = next(chain for indent, chain, _ in causes if indent == depth)
+    nested = re.search(r"NestedArg\(key='([^']+)'", message)
+    if len(chain) == 1 and nested:
+        chain = [*chain, nested.group(1)]
+    texts = "; ".join(dict.fromkeys(text for indent, _, text in causes if indent == depth))
+    if not chain:
+        return texts
+    path = chain[0] + "".join(f".{k}" if k.startswith(("init_args", "class_path")) else f".init_args.{k}"
+                              for k in chain[1:])
+    return f"{path}: {texts}"
 
 
 def _negative_values(args: list[str]) -> list[str]:

@@ -165,3 +165,17 @@ def test_short_fit_logs_the_fixed_metrics_and_resumes_from_last(tmp_path):
     assert "model.init_args.clip_eps_high: 0.2 in the checkpoint, 0.28 now" in proc.stderr
     assert "clip_eps_high: 0.28" in (log_dir / "config.resume-step3.yaml").read_text()
     assert "clip_eps_high: 0.2\n" in (log_dir / "config.yaml").read_text()  # the run's first config is kept
+
+
+def test_the_documented_kl_command_line_trains_with_the_penalty(tmp_path, monkeypatch):
+    from rl_lightning.callbacks import KLRegularizer
+
+    monkeypatch.chdir(tmp_path)
+    cli = build_cli(["fit", "--config", str(REPO / "configs" / "grpo.yaml"), *TINY,
+                     "--trainer.callbacks+=KLRegularizer", "--trainer.callbacks.beta", "0.05"])
+    kl = [cb for cb in cli.trainer.callbacks if isinstance(cb, KLRegularizer)]
+    assert len(kl) == 1 and kl[0].beta == 0.05 and kl[0].reference is not None
+    acc = EventAccumulator(str(tmp_path / "runs" / "grpo" / "version_0"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("train/kl_loss")] == [0, 1]
+    assert acc.Scalars("train/kl_loss")[1].value > 0  # after one update the policy has left the reference

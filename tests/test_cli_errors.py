@@ -84,3 +84,81 @@ def test_init_parameters_follow_kwargs_up_the_hierarchy():
     params = config_check.init_parameters(GRPO)
     assert {"clip_eps_low", "model_name_or_path", "optimizer", "micro_batch_size"} <= set(params)
     assert "kwargs" not in params
+
+
+@pytest.mark.parametrize("args, line", [
+    (["--data.init_args.reward_fn", "rl_lightning.envs.NoSuchReward"],
+     "command line: data.init_args.reward_fn: no class NoSuchReward in module rl_lightning.envs"),
+    (["--data.init_args.reward_fn", '{"class_path": "mypkg.rewards.MyReward"}'],
+     "command line: data.init_args.reward_fn.class_path: cannot import mypkg.rewards.MyReward "
+     "(No module named 'mypkg')"),
+    (["--model.class_path", "rl_lightning.algorithms.GRP0"],
+     "command line: model.class_path: no class GRP0 in module rl_lightning.algorithms (did you mean GRPO?)"),
+    (["--model", "GRP0"], "command line: model.class_path: no class named GRP0 (did you mean GRPO?)"),
+    (["--model.init_args.optimizer.class_path", "torch.optim.SDG"],
+     "command line: model.init_args.optimizer.class_path: no class SDG in module torch.optim (did you mean SGD?)"),
+])
+def test_a_bad_class_path_names_the_key_and_why_it_does_not_import(capsys, args, line):
+    code, got = error_line(capsys, *args)
+    assert (code, got) == (2, f"rl-lightning: error: {line}")
+
+
+def test_a_bad_class_path_in_a_yaml_names_its_file_and_line(capsys, tmp_path):
+    task = tmp_path / "reward.yaml"
+    task.write_text("data:\n  init_args:\n    reward_fn: mypkg.rewards.MyReward\n")
+    code, line = error_line(capsys, "--config", str(task))
+    assert (code, line) == (2, f"rl-lightning: error: {task}:3: data.init_args.reward_fn: cannot import "
+                               "mypkg.rewards.MyReward (No module named 'mypkg')")
+
+
+def test_an_argument_a_subclass_sets_itself_is_refused_by_name(capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "docs" / "examples"))
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["fit", "--config", str(REPO / "docs" / "examples" / "dr_grpo.yaml"),
+                  "--model.init_args.scale_rewards", "true"])
+    line = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("rl-lightning: error")]
+    assert (exit_info.value.code, line) == (2, [
+        "rl-lightning: error: command line: model.init_args.scale_rewards: unknown key: DrGRPO has no argument "
+        "'scale_rewards' (DrGRPO sets it itself)"])
+
+
+def test_an_option_for_the_last_callback_says_which_callback_takes_it(capsys):
+    code, line = error_line(capsys, "--trainer.callbacks.init_args.beta", "0.01")
+    assert (code, line) == (2, (
+        "rl-lightning: error: command line: trainer.callbacks[2].init_args.beta: unknown key: ModelCheckpoint has "
+        "no argument 'beta'; --trainer.callbacks.beta sets the last callback of the list; to set KLRegularizer's: "
+        "--trainer.callbacks+=KLRegularizer --trainer.callbacks.beta 0.01"))
+
+
+def test_what_the_check_cannot_judge_keeps_jsonargparses_innermost_cause():
+    from rl_lightning.cli import _parse_error_line
+
+    message = """Parser key "data":
+  Does not validate against any of the Union subtypes
+  Subtypes: [<class 'rl_lightning.rollout.datamodule.RolloutDataModule'>, <class 'NoneType'>]
+  Errors:
+    - Problem with given class_path 'rl_lightning.rollout.RolloutDataModule':
+        Parser key "task":
+          Problem with given class_path 'rl_lightning.envs.ArithmeticTask':
+            Parser key "operations":
+              Does not validate against any of the Union subtypes
+              Subtypes: [list[typing.Literal['+', '-', '*']], <class 'NoneType'>]
+              Errors:
+                - Expected a <class 'list'>
+                - Expected a <class 'NoneType'>
+              Given value type: <class 'str'>
+              Given value: 5
+    - Expected a <class 'NoneType'>
+  Given value type: <class 'jsonargparse._util.NestedArg'>
+  Given value: NestedArg(key='task.init_args.operations', val='5')"""
+    assert _parse_error_line(message, []) == "data.init_args.task.init_args.operations: Expected a <class 'list'>"
+    message = """Parser key "trainer.logger":
+  Does not validate against any of the Union subtypes
+  Errors:
+    - Problem with given class_path 'lightning.pytorch.loggers.TensorBoardLogger':
+        Option 'bogus' is not accepted
+    - Problem with given class_path 'lightning.pytorch.loggers.TensorBoardLogger':
+        Option 'bogus' is not accepted
+    - Expected a <class 'bool'>
+  Given value: NestedArg(key='bogus', val='1')"""
+    assert _parse_error_line(message, []) == "trainer.logger.init_args.bogus: Option 'bogus' is not accepted"
