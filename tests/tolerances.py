@@ -1,0 +1,95 @@
+"""Numerical tolerances derived from the arithmetic, never tuned to one CPU.
+
+PyTorch picks its CPU kernels at run time (``ATEN_CPU_CAPABILITY=default|avx2|avx512``) and splits reductions over
+threads, so the same float computation rounds differently on another machine, with another kernel set or another
+thread count. A tolerance in this suite is therefore a bound of the rounding error, written from
+
+* the unit roundoff ``u`` of the dtype (``2^-24`` for float32, ``2^-53`` for float64; ``unit_roundoff``),
+* the length ``n`` of the longest reduction involved (a sum of ``n`` terms computed in any order is within
+  ``gamma(n) · Σ|terms|`` of the exact sum, ``gamma(n) = n u / (1 - n u)``; Higham, *Accuracy and Stability of
+  Numerical Algorithms*, §4.2), and
+* the magnitude of the terms (``Σ|terms|``, or ``n · max|term|``), not of the result, which cancellation can make
+  arbitrarily small.
+
+A value that is "exactly zero" is asserted with ``== 0`` only where it is zero by construction (a multiplication
+by an exact 0, a masked ``where``); a difference of rounded terms is bounded relative to the scale of the terms
+(``assert_small_relative``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+
+def unit_roundoff(dtype: torch.dtype = torch.float32) -> float:
+    """``u = eps / 2``: the largest relative error of one correctly rounded operation (float32: ``2^-24``)."""
+    return torch.finfo(dtype).eps / 2
+
+
+def gamma(n: int, dtype: torch.dtype = torch.float32) -> float:
+    """``gamma(n) = n u / (1 - n u)``: the relative bound of a sum (or dot product) of ``n`` terms in any order."""
+    nu = n * unit_roundoff(dtype)
+    if nu >= 1:
+        raise ValueError(f"gamma({n}) undefined for {dtype}: n u >= 1")
+    return nu / (1 - nu)
+
+
+def sum_tolerance(n: int, magnitude: float, dtype: torch.dtype = torch.float32) -> float:
+    """Absolute bound of the rounding of a sum of ``n`` terms whose absolute values add up to ``magnitude``."""
+    return gamma(n, dtype) * magnitude
+
+
+def assert_small_relative(value: Tensor, scale: float, n: int, dtype: torch.dtype, what: str = "value") -> None:
+    """``|value| <= gamma(n) · scale`` everywhere: ``value`` is zero up to the rounding of ``n``-term sums whose
+    terms are at most ``scale`` in magnitude (``scale`` e.g. ``max |g|`` of the quantity it is compared with)."""
+    bound = gamma(n, dtype) * scale
+    worst = float(value.abs().max()) if value.numel() else 0.0
+    assert worst <= bound, f"{what}: max |x| = {worst:.3g} > {bound:.3g} (gamma({n}) x scale {scale:.3g})"
+
+
+# ------------------------------------------------------------------------------------ a decoder's forward/backward
+def decoder_shape(config) -> tuple[int, int, int, int]:  # noqa: ANN001
+    """``(layers, hidden, intermediate, head_dim)`` of a Hugging Face decoder config (Llama, Qwen2, GPT-2)."""
+    hidden = config.hidden_size
+    intermediate = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    return config.num_hidden_layers, hidden, intermediate, head_dim
+
+
+def decoder_depth(config, context_length: int) -> int:  # noqa: ANN001
+    """``K``: the reduction lengths in series along one forward of a decoder (as in
+    ``tests/rollout/rollout_helpers.fp32_logprob_tolerance``): per layer the two norms, the q/k/v, o and gate/up
+    projections (``4 · hidden``), the down projection (``intermediate``), the attention scores (``head_dim``) and
+    the softmax sum and weighted sum over the context (``2 · context_length``); then the final norm and the head."""
+    layers, hidden, intermediate, head_dim = decoder_shape(config)
+    return layers * (4 * hidden + intermediate + head_dim + 2 * context_length) + 2 * hidden
+
+
+def decoder_logprob_tolerance(model, hidden: Tensor, temperature: float, context_length: int) -> float:  # noqa: ANN001
+    """How far two float32 computations of the same log-prob may differ (other shapes, kernels, orders):
+    ``rollout_helpers.fp32_logprob_tolerance`` (its docstring has the derivation) for any decoder config;
+    ``hidden [..., H]``: the final hidden states of the scored positions, for ``S = max Σ_i |W_vi h_i|``."""
+    from tests.rollout.rollout_helpers import fp32_logprob_tolerance
+
+    head = model.get_output_embeddings().weight.detach().float()
+    scale = float((hidden.detach().float().abs() @ head.abs().T).max())
+    layers, width, intermediate, head_dim = decoder_shape(model.config)
+    return fp32_logprob_tolerance(scale, temperature, model.config.vocab_size, layers, width, intermediate,
+                                  head_dim, context_length)
+
+
+def decoder_gradient_tolerance(config, context_length: int, terms: int, scale: Tensor) -> Tensor:  # noqa: ANN001
+    """Bound of ``|g - g'|`` for two float32 computations of a gradient summed from per-row contributions ``g_r``
+    computed in other shapes and orders (micro-batches, bucketing, skipped rows).
+
+    Each ``g_r`` goes through a forward and a backward with ``decoder_depth`` reductions in series each: a
+    relative error of about ``sqrt(2 K) · u`` (the probabilistic bound of Higham & Mary, 2019, as for the
+    log-probs); the two computations round independently (``x 2``); adding up ``terms`` contributions (rows x
+    positions of a weight gradient's matrix product) in any order adds at most ``terms · u`` (worst case).
+    Both relative to ``scale``, the magnitude of the terms (e.g. ``Σ_r |g_r|`` entrywise, or the gradient's
+    ``max |g|``), never to the (cancelling) sum itself."""
+    depth = decoder_depth(config, context_length)
+    return 2 * (math.sqrt(2 * depth) + terms) * unit_roundoff(torch.float32) * scale
