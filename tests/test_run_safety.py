@@ -3,6 +3,7 @@ replayable failures, and one line for every bad checkpoint."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -269,3 +270,19 @@ def test_a_reward_function_that_raises_is_dumped_with_its_responses(tmp_path, mo
     assert torch.isnan(dump["batch"].rewards[4:]).all() and not torch.isnan(dump["batch"].rewards[:4]).any()
     with pytest.raises(Exception, match="cannot score"):
         replay(failure)
+
+
+def test_failure_snapshots_do_not_log_a_line_every_step(tmp_path, monkeypatch):
+    """Lightning's ``dump_checkpoint`` without ``weights_only`` logs "`weights_only` was not set" each call (once
+    a step for methods with several optimiser steps), which also broke the progress bar into stale lines."""
+    monkeypatch.chdir(tmp_path)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("lightning.pytorch.trainer.connectors.checkpoint_connector")
+    logger.addHandler(handler)
+    try:
+        fit(*tiny(3, val_every=10), "--model.init_args.num_minibatches", "2")  # a snapshot after every step
+    finally:
+        logger.removeHandler(handler)
+    assert [r.getMessage() for r in records if "weights_only" in r.getMessage()] == []

@@ -247,7 +247,7 @@ class FailureDump(Callback):
             self._hooks.append(optimizer.register_step_post_hook(self._count_step))
         self._rng = rng_state()
         if self.snapshot != "never" and trainer.world_size == 1:
-            self._snapshot = _to_cpu(trainer._checkpoint_connector.dump_checkpoint())
+            self._snapshot = _to_cpu(trainer._checkpoint_connector.dump_checkpoint(weights_only=False))
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         # a shallow copy: what the method attaches to the batch during the step (values, returns) is not kept
@@ -261,7 +261,7 @@ class FailureDump(Callback):
         self._many_steps = self.snapshot == "always" or (self.snapshot == "auto" and self._steps_in_batch > 1)
         self._snapshot = None
         if self._many_steps and trainer.world_size == 1:
-            self._snapshot = _to_cpu(trainer._checkpoint_connector.dump_checkpoint())
+            self._snapshot = _to_cpu(trainer._checkpoint_connector.dump_checkpoint(weights_only=False))
         self._rng = rng_state()
         self._steps_in_batch = 0
 
@@ -291,7 +291,7 @@ class FailureDump(Callback):
         state_note = None
         if trainer.world_size == 1:
             if self._steps_in_batch == 0:
-                state = trainer._checkpoint_connector.dump_checkpoint()
+                state = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
             else:
                 state = self._snapshot
             if state is not None:
