@@ -179,3 +179,18 @@ def test_the_documented_kl_command_line_trains_with_the_penalty(tmp_path, monkey
     acc.Reload()
     assert [e.step for e in acc.Scalars("train/kl_loss")] == [0, 1]
     assert acc.Scalars("train/kl_loss")[1].value > 0  # after one update the policy has left the reference
+
+
+def test_the_last_step_is_evaluated_even_off_the_validation_interval(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    three = ["3" if i == 1 else a for i, a in enumerate(TINY)]  # max_steps 3, val_check_interval 2
+    cli = build_cli(["fit", "--config", str(REPO / "configs" / "grpo.yaml"), *three,
+                     "--trainer.logger.init_args.name", "three"])
+    assert [s for s, _ in cli.model.val_history] == [0, 2, 3]
+    acc = EventAccumulator(str(tmp_path / "runs" / "three" / "version_0"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("val/reward")] == [0, 2, 3]
+    two = build_cli(["fit", "--config", str(REPO / "configs" / "grpo.yaml"), *TINY,
+                     "--trainer.logger.init_args.name", "two"])
+    assert [s for s, _ in two.model.val_history] == [0, 2]  # the interval's own evaluations are as before
+    assert two.model.val_history == cli.model.val_history[:2]

@@ -195,10 +195,10 @@ class HeldoutObserver(Protocol):
     """What a callback implements to see each held-out (greedy) evaluation (e.g. ``RolloutSamples``).
 
     ``on_heldout_evaluated`` is called on every rank once per evaluation -- the step-0 one ``on_train_start``
-    runs and every validation of Lightning's loop (not the sanity check) -- with this rank's first held-out
-    ``RolloutBatch`` (one greedy response per prompt, rewards filled in), ``step`` (``trainer.global_step``,
-    the updates done before the evaluation) and ``reward``, the mean held-out reward over all ranks (the
-    ``val/reward`` logged at ``step``).
+    runs, every validation of Lightning's loop (not the sanity check) and the last-step one ``on_train_end``
+    runs -- with this rank's first held-out ``RolloutBatch`` (one greedy response per prompt, rewards filled in),
+    ``step`` (``trainer.global_step``, the updates done before the evaluation) and ``reward``, the mean held-out
+    reward over all ranks (the ``val/reward`` logged at ``step``).
     """
 
     def on_heldout_evaluated(
@@ -935,6 +935,20 @@ class RLModule(LightningModule):
             if step > 0 and self._val_step == step and step in done and self.logger is not None:
                 self.logger.log_metrics({"val/reward": done[step]}, step=step)
             return
+        self._log_heldout_evaluation(datamodule, when)
+
+    def on_train_end(self) -> None:
+        """Evaluate the final policy when the last step had no validation (``max_steps`` not a multiple of
+        ``val_check_interval``, or a run stopped early), so that ``val/reward`` always ends at the last step."""
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if (datamodule is None or not hasattr(datamodule, "evaluate") or self.trainer.limit_val_batches == 0
+                or self._val_step == self.global_step):
+            return
+        self._log_heldout_evaluation(datamodule, "after the last step")
+
+    def _log_heldout_evaluation(self, datamodule: Any, when: str) -> None:
+        """Evaluate on the held-out prompts outside Lightning's loop and log ``val/reward`` at ``global_step``."""
+        step = self.global_step
         total, count, first = self._evaluate_heldout(datamodule)
         sums = torch.tensor([total, float(count)], device=self.device)
         sums = self.trainer.strategy.reduce(sums, reduce_op="sum")

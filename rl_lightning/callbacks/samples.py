@@ -20,9 +20,9 @@ class RolloutSamples(Callback):
     * ``samples/train``: ``num_samples`` sampled training rollouts every ``every_n_steps`` training steps
       (step 0 included) and at the last step (``max_steps - 1``), at the step that produced them.
     * ``samples/val``: ``num_samples`` greedy held-out responses at every evaluation -- the one before
-      training (step 0) and each validation -- at ``step = trainer.global_step`` (the updates done before
-      it, the step ``val/reward`` is logged at). The module calls ``on_heldout_evaluated`` (the
-      ``HeldoutObserver`` protocol of ``rl_lightning.algorithms``).
+      training (step 0), each validation and the one after the last step -- at ``step = trainer.global_step``
+      (the updates done before it, the step ``val/reward`` is logged at). The module calls
+      ``on_heldout_evaluated`` (the ``HeldoutObserver`` protocol of ``rl_lightning.algorithms``).
 
     Args:
         every_n_steps: logging interval of the training samples in training steps.

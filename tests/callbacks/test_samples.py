@@ -38,9 +38,9 @@ def test_heldout_samples_at_every_evaluation_and_train_samples_at_the_last_step(
     acc.Reload()
     assert "samples/val/text_summary" in acc.Tags()["tensors"]
     val = _tables(acc, "samples/val")
-    # the evaluation before training (step 0, outside Lightning's loop) and each validation, at the steps of
-    # val/reward
-    assert sorted(val) == [0, 2, 4]
+    # the evaluation before training (step 0, outside Lightning's loop), each validation and the one after the
+    # last step (5, off the interval), at the steps of val/reward
+    assert sorted(val) == [0, 2, 4, 5]
     assert sorted(val) == [e.step for e in acc.Scalars("val/reward")]
     val_reward = {e.step: e.value for e in acc.Scalars("val/reward")}
     for step, rows in val.items():
