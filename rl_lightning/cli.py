@@ -152,7 +152,7 @@ class RLCLI(LightningCLI):
             config["ckpt_path"] = None
             return
         checkpoint = runs.read_checkpoint(path)
-        self._check_identity(path, checkpoint, config)
+        self._check_identity(path, checkpoint, config, str(spec), run_root)
         self._warn_changed_hyperparameters(path, checkpoint, config)
         run_dir = runs.run_dir_of(path)
         if run_dir is not None and logger is not None:  # continue writing into the checkpoint's run
@@ -176,7 +176,9 @@ class RLCLI(LightningCLI):
                 f"with --trainer.logger.init_args.version null")
 
     @staticmethod
-    def _check_identity(path: Path, checkpoint: dict[str, Any], config: Namespace) -> None:
+    def _check_identity(path: Path, checkpoint: dict[str, Any], config: Namespace, spec: str,
+                        run_root: Path | None) -> None:
+        """Refuse another run's checkpoint, naming the fields that differ and the command to run instead."""
         given = runs.run_identity(config.as_dict())
         saved = (checkpoint.get(runs.CHECKPOINT_KEY) or {}).get("identity")
         if saved is None:  # a checkpoint written outside the CLI: the method is all it records
@@ -184,8 +186,19 @@ class RLCLI(LightningCLI):
             saved = {"model.class_path": saved_class} if saved_class else {}
             given = {k: v for k, v in given.items() if k in saved}
         differ = runs.identity_differences(saved, given)
-        if differ:
-            raise runs.CheckpointError(f"--ckpt_path {path} belongs to another run; it differs in " + "; ".join(differ))
+        if not differ:
+            return
+        own = runs.newest_run_of(run_root, given) if spec == "last" and run_root is not None else None
+        found = runs.run_dir_of(path)
+        if own is not None:
+            remedy = f"; to resume the newest run of this configuration: --config {own / 'config.yaml'} --ckpt_path last"
+        elif found is not None:
+            remedy = (f"; to resume that run with its own configuration: --config {found / 'config.yaml'} "
+                      f"--ckpt_path {spec}" + ("" if spec != "last" else "; or start a new run without --ckpt_path"))
+        else:
+            remedy = ""
+        raise runs.CheckpointError(f"--ckpt_path {path} belongs to another run; it differs in "
+                                   + "; ".join(differ) + remedy)
 
     @staticmethod
     def _warn_changed_hyperparameters(path: Path, checkpoint: dict[str, Any], config: Namespace) -> None:

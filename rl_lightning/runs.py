@@ -12,7 +12,8 @@ Every run owns one directory, the TensorBoard logger's ``log_dir`` (``runs/<name
 The resumed run writes into the run directory the checkpoint belongs to, so its TensorBoard curves continue
 (events after the checkpoint's step are purged, not overlapped). A checkpoint records the identity of its run
 (method, model, data module and task settings); resuming it with a configuration whose identity differs is
-refused with the differing fields listed.
+refused with the differing fields listed, and with the newest run of this identity to resume instead
+(``newest_run_of``).
 """
 
 from __future__ import annotations
@@ -84,16 +85,30 @@ def last_checkpoint_in(run_dir: Path) -> Path | None:
     return candidates[-1] if candidates else None
 
 
+def checkpointed_runs(run_root: Path) -> list[tuple[Path, Path]]:
+    """``(run directory, its last checkpoint)`` of every ``run_root/version_*`` that holds one, newest first."""
+    runs = sorted((p for p in run_root.glob("version_*") if p.is_dir()), key=_version_key, reverse=True)
+    return [(run, found) for run in runs for found in [last_checkpoint_in(run)] if found is not None]
+
+
 def find_last(run_root: Path, version: str | int | None) -> Path | None:
     """The checkpoint ``--ckpt_path last`` means under ``run_root`` (``save_dir/name``)."""
     if version is not None:
         name = version if isinstance(version, str) else f"version_{version}"
         return last_checkpoint_in(run_root / name)
-    runs = sorted((p for p in run_root.glob("version_*") if p.is_dir()), key=_version_key, reverse=True)
-    for run in runs:
-        found = last_checkpoint_in(run)
-        if found is not None:
-            return found
+    runs = checkpointed_runs(run_root)
+    return runs[0][1] if runs else None
+
+
+def newest_run_of(run_root: Path, identity: dict[str, Any]) -> Path | None:
+    """The newest run under ``run_root`` whose last checkpoint records ``identity`` (see ``run_identity``)."""
+    for run, checkpoint in checkpointed_runs(run_root):
+        try:
+            saved = (read_checkpoint(checkpoint).get(CHECKPOINT_KEY) or {}).get("identity")
+        except CheckpointError:
+            continue
+        if saved is not None and not identity_differences(saved, identity):
+            return run
     return None
 
 

@@ -131,12 +131,29 @@ def test_the_task_presets_are_there():
     assert {"arithmetic_hard", "calculator", "guess"} <= {p.stem for p in TASKS.glob("*.yaml")}
 
 
+def test_each_task_preset_writes_its_runs_under_its_own_name():
+    """So that ``--ckpt_path last`` after stacking a task preset finds a run of that task, not the method's."""
+    stacks = {"guess": ["grpo", "guess"], "calculator": ["grpo", "calculator"],
+              "arithmetic_hard": ["grpo", "arithmetic_hard"], "guess_ppo": ["ppo", "guess", "guess_ppo"],
+              "sao_arithmetic": ["sao", "sao_arithmetic"]}
+    assert set(stacks) == {p.stem for p in TASKS.glob("*.yaml")}
+    for name, (method, *tasks) in stacks.items():
+        args = ["--config", str(REPO / "configs" / f"{method}.yaml")]
+        for task in tasks:
+            args += ["--config", str(TASKS / f"{task}.yaml")]
+        logger = parse_only(*args).config.trainer.logger
+        assert logger.class_path.endswith("TensorBoardLogger") and logger.init_args.save_dir == "runs"
+        assert logger.init_args.name == name
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_the_hard_task_preset_changes_only_the_task_and_the_model(method):
     base = parse_only("--config", str(REPO / "configs" / f"{method}.yaml"))
     hard = parse_only("--config", str(REPO / "configs" / f"{method}.yaml"), "--config", str(HARD))
     assert _differences(_as_dict(base), _as_dict(hard)) == {
-        "model.init_args.model_name_or_path", "data.init_args.task.init_args.num_digits"}
+        "model.init_args.model_name_or_path", "data.init_args.task.init_args.num_digits",
+        "trainer.logger.init_args.name"}
+    assert hard.config.trainer.logger.init_args.name == "arithmetic_hard"  # its own runs
     assert hard.config.model.init_args.model_name_or_path == "embedded:arithmetic_hard"
     assert hard.config.data.init_args.task.init_args.num_digits == 3
 

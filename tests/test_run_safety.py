@@ -79,10 +79,31 @@ def test_last_resumes_the_named_run_into_its_own_directory(tmp_path, monkeypatch
     assert code == 2
     assert line == (f"rl-lightning: error: --ckpt_path {sub / 'checkpoints' / 'last.ckpt'} belongs to another run; "
                     "it differs in data.init_args.task.class_path: 'rl_lightning.envs.JsonlTask' in the checkpoint, "
-                    "'rl_lightning.envs.ArithmeticTask' now")
+                    "'rl_lightning.envs.ArithmeticTask' now; to resume that run with its own configuration: "
+                    f"--config {sub / 'config.yaml'} --ckpt_path {sub}")
     code, line = one_line_error(capsys, "fit", "--config", GRPO, *tiny(6), "--ckpt_path", "last",
                                 "--data.init_args.task.init_args.num_digits", "3")
     assert code == 2 and "data.init_args.task.init_args.num_digits: 2 in the checkpoint, 3 now" in line
+
+
+def test_last_of_another_task_is_refused_with_the_command_that_resumes_this_ones_run(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    fit(*tiny(2))  # runs/grpo/version_0: 2-digit addition
+    fit(*tiny(2), "--data.init_args.task.init_args.num_digits", "3")  # runs/grpo/version_1: another task, newer
+    code, line = one_line_error(capsys, "fit", "--config", GRPO, *tiny(3), "--ckpt_path", "last")
+    assert code == 2
+    assert line == ("rl-lightning: error: --ckpt_path runs/grpo/version_1/checkpoints/last.ckpt belongs to another "
+                    "run; it differs in data.init_args.task.init_args.num_digits: 3 in the checkpoint, 2 now; to "
+                    "resume the newest run of this configuration: --config runs/grpo/version_0/config.yaml "
+                    "--ckpt_path last")
+    cli = build_cli(["fit", "--config", "runs/grpo/version_0/config.yaml", *tiny(3), "--ckpt_path", "last"])
+    assert cli.trainer.global_step == 3 and cli.trainer.log_dir == "runs/grpo/version_0"
+    shutil.rmtree(tmp_path / "runs" / "grpo" / "version_0")  # no run of this configuration left
+    code, line = one_line_error(capsys, "fit", "--config", GRPO, *tiny(3), "--ckpt_path", "last")
+    other = tmp_path / "runs" / "grpo" / "version_1"
+    assert code == 2 and line.endswith(f"2 now; to resume that run with its own configuration: --config "
+                                       f"{other / 'config.yaml'} --ckpt_path last; or start a new run without "
+                                       "--ckpt_path")
 
 
 def test_resuming_an_earlier_checkpoint_continues_the_curves_without_overlap(tmp_path, monkeypatch):
