@@ -194,3 +194,18 @@ def test_the_last_step_is_evaluated_even_off_the_validation_interval(tmp_path, m
                      "--trainer.logger.init_args.name", "two"])
     assert [s for s, _ in two.model.val_history] == [0, 2]  # the interval's own evaluations are as before
     assert two.model.val_history == cli.model.val_history[:2]
+
+
+def test_the_smollm2_config_before_its_checkpoint_is_built_says_how_to_build_it(tmp_path, monkeypatch, capsys):
+    from rl_lightning.cli import cli_main
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.cache/rl_lightning/SmolLM2-135M-Instruct here
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["fit", "--config", str(REPO / "configs" / "grpo_smollm2.yaml")])
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("rl-lightning: error")]
+    assert (exit_info.value.code, lines) == (2, [
+        "rl-lightning: error in model (rl_lightning.algorithms.GRPO): "
+        "model_name_or_path='~/.cache/rl_lightning/SmolLM2-135M-Instruct': no such directory; build it with "
+        "`python experiments/smollm2.py`"])
+    assert not (tmp_path / "runs").exists()

@@ -84,6 +84,10 @@ def build_tiny_policy(seed: int = 0, **config_overrides: int) -> tuple[PreTraine
     return model, tokenizer
 
 
+#: local checkpoints that a script of this repository builds (their directory name -> the command)
+BUILT_BY = {"SmolLM2-135M-Instruct": "python experiments/smollm2.py"}
+
+
 def resolve_model_path(model_name_or_path: str) -> Path | None:
     """Map ``embedded:<name>`` to the packaged asset directory; ``embedded:random`` maps to ``None``."""
     if not model_name_or_path.startswith(EMBEDDED_PREFIX):
@@ -152,7 +156,9 @@ def load_policy(
         check_tokenizer(model_name_or_path, tokenizer)
         return model.to(torch_dtype), tokenizer
     if not path.is_dir():
-        raise FileNotFoundError(f"model_name_or_path={model_name_or_path!r}: no such directory")
+        built_by = BUILT_BY.get(path.name)
+        hint = f"; build it with `{built_by}`" if built_by else ""
+        raise FileNotFoundError(f"model_name_or_path={model_name_or_path!r}: no such directory{hint}")
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
             f"model_name_or_path={model_name_or_path!r}: not a Hugging Face checkpoint directory "
