@@ -13,7 +13,13 @@ thread count. A tolerance in this suite is therefore a bound of the rounding err
 
 A value that is "exactly zero" is asserted with ``== 0`` only where it is zero by construction (a multiplication
 by an exact 0, a masked ``where``); a difference of rounded terms is bounded relative to the scale of the terms
-(``assert_small_relative``).
+(``assert_small_relative``). Likewise ``torch.equal`` between two computations only where they are the same
+operations on the same shapes (bitwise deterministic), or exact by construction (integers, a copy, a power of 2).
+
+The defaults of ``torch.testing.assert_close`` (float32: ``rtol = 1.3e-6 ≈ 22 u``, ``atol = 1e-5``; float64:
+``1e-7`` both) and of ``pytest.approx`` (``rel = 1e-6 ≈ 17 u``) are kept only for hand examples: a few operations
+on O(1) values with no cancelling sum, whose rounding is a few ``u``. Anything longer or cancelling gets a bound
+from the three quantities above.
 """
 
 from __future__ import annotations
@@ -35,6 +41,15 @@ def gamma(n: int, dtype: torch.dtype = torch.float32) -> float:
     if nu >= 1:
         raise ValueError(f"gamma({n}) undefined for {dtype}: n u >= 1")
     return nu / (1 - nu)
+
+
+def gamma_probabilistic(n: int, dtype: torch.dtype = torch.float32, lam: float = 6.0) -> float:
+    """``min(gamma(n), λ sqrt(n) u)``: the probabilistic bound of a sum of ``n`` terms (Higham & Mary, *A New
+    Approach to Probabilistic Rounding Error Analysis*, 2019: it holds with probability at least
+    ``1 - 2 n exp(-λ²/2)``, ``> 1 - 3e-8 n`` at ``λ = 6``, the rounding errors being independent and mean zero).
+    For the long sums (a vocabulary, a hidden size): there the worst case ``n u`` is 10^2-10^3 times the actual
+    error and would hide a bug."""
+    return min(gamma(n, dtype), lam * math.sqrt(n) * unit_roundoff(dtype))
 
 
 def sum_tolerance(n: int, magnitude: float, dtype: torch.dtype = torch.float32) -> float:
@@ -93,3 +108,40 @@ def decoder_gradient_tolerance(config, context_length: int, terms: int, scale: T
     ``max |g|``), never to the (cancelling) sum itself."""
     depth = decoder_depth(config, context_length)
     return 2 * (math.sqrt(2 * depth) + terms) * unit_roundoff(torch.float32) * scale
+
+
+# ------------------------------------------------------------------------------------------------ log-softmax
+def log_softmax_tolerance(logits: Tensor, temperature: float = 1.0, dtype: torch.dtype | None = None) -> float:
+    """How far two computations of ``ℓ = log_softmax(z / T)`` (any kernels, reduction orders or formulas) may
+    differ, for the ``[..., V]`` ``logits`` z, in ``dtype`` (default: the logits'), ``S = max |z| / T``.
+
+    Per path: the division (``u S``), ``s - max s`` (``2 u S``), the exponentials (1 ulp = ``2 u`` relative each)
+    and their sum of ``V`` positive terms (``gamma_probabilistic(V)`` relative), which the log turns into the same
+    absolute error (plus its own ``u log V``), and the last subtraction (``u |ℓ| <= u (2 S + log V)``):
+    ``gamma_probabilistic(V) + u (5 S + 2 log V + 4)``. Twice that for two paths."""
+    dtype = logits.dtype if dtype is None else dtype
+    vocab, u = logits.shape[-1], unit_roundoff(dtype)
+    scale = float(logits.detach().abs().max()) / temperature
+    return 2 * (gamma_probabilistic(vocab, dtype) + u * (5 * scale + 2 * math.log(vocab) + 4))
+
+
+def entropy_tolerance(logits: Tensor, temperature: float, entropy: float, dtype: torch.dtype | None = None) -> float:
+    """``H = -Σ_v p_v ℓ_v`` of two paths: the log-probs' error ``δ`` (``log_softmax_tolerance``) weighted by
+    ``Σ p = 1``; ``p = exp ℓ``'s relative error ``δ + 2u`` times ``Σ p |ℓ| = H``; the sum of ``V`` terms,
+    ``gamma_probabilistic(V)`` of ``H`` in each path. ``entropy``: the largest ``H`` compared."""
+    dtype = logits.dtype if dtype is None else dtype
+    delta = log_softmax_tolerance(logits, temperature, dtype)
+    vocab = logits.shape[-1]
+    return delta * (1 + entropy) + 2 * (gamma_probabilistic(vocab, dtype) + 2 * unit_roundoff(dtype)) * entropy
+
+
+def softmax_gradient_tolerance(logits: Tensor, temperature: float, entropy: float, upstream: float,
+                               dtype: torch.dtype | None = None) -> float:
+    """The logit gradient of ``Σ g ℓ_a + Σ h H`` (two paths): ``[g (e_a - p_v) - h p_v (ℓ_v + H)] / T`` per entry.
+    ``p_v`` carries ``δ + 2u`` relative (``δ``: ``log_softmax_tolerance``), ``ℓ_v`` ``δ``, ``H`` ``δ_H``
+    (``entropy_tolerance``); with ``p_v <= 1`` and ``p_v |ℓ_v| <= 1/e`` every entry is within
+    ``upstream ((δ + 2u)(2 + 1/e + H) + δ_H) / T``, ``upstream`` the largest ``|g|``, ``|h|``."""
+    dtype = logits.dtype if dtype is None else dtype
+    delta = log_softmax_tolerance(logits, temperature, dtype) + 2 * unit_roundoff(dtype)
+    delta_h = entropy_tolerance(logits, temperature, entropy, dtype)
+    return upstream * (delta * (2 + 1 / math.e + entropy) + delta_h) / temperature

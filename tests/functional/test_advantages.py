@@ -13,6 +13,11 @@ from rl_lightning.functional import (
     group_advantages,
     leave_one_out_advantages,
 )
+from tests.tolerances import gamma, sum_tolerance
+
+# Tolerances: mean/std/divide of a few rewards is a handful of roundings (``gamma(n)`` relative, ``n`` counted at
+# each use); sums that cancel (advantages summing to 0, GAE's telescoping) are bounded relative to the magnitude
+# of their terms. The float64 loop references round too, by the same count.
 
 # ---------------------------------------------------------------------------------------------------------------
 # GRPO: group_advantages
@@ -27,7 +32,8 @@ def test_group_advantages_spec_example():
     # (a Bessel std would give sqrt(1/3) = 0.577 and A = ±0.866, which must NOT be what we get)
     rewards = torch.tensor([1.0, 1.0, 0.0, 0.0])
     adv = group_advantages(rewards, group_size=4)
-    torch.testing.assert_close(adv, torch.tensor([1.0, 1.0, -1.0, -1.0]), atol=1e-5, rtol=0)
+    # off ±1 by eps / (σ + eps) = 2e-6 (the eps), plus the rounding of mean, std (4 terms each) and the division
+    torch.testing.assert_close(adv, torch.tensor([1.0, 1.0, -1.0, -1.0]), atol=1e-6 / 0.5 + gamma(12), rtol=0)
     # exact value with eps: 0.5 / (0.5 + 1e-6)
     expected = 0.5 / (0.5 + 1e-6)
     torch.testing.assert_close(adv, torch.tensor([expected, expected, -expected, -expected]))
@@ -50,7 +56,8 @@ def test_group_advantages_multiple_groups():
     s = math.sqrt(1.5)
     r2 = math.sqrt(2.0)
     expected = torch.tensor([-s, 0.0, s, -1 / r2, -1 / r2, r2, 0.0, 0.0, 0.0])
-    torch.testing.assert_close(adv, expected, atol=1e-5, rtol=1e-5)
+    # mean (3 terms), centring, std (3 squares, a division, a sqrt), + eps, the division, float32(expected): 12 roundings
+    torch.testing.assert_close(adv, expected, atol=0, rtol=gamma(12))
 
 
 def test_group_advantages_scale_false():
@@ -100,9 +107,11 @@ def test_group_advantages_no_success_group_and_mixed():
     adv = group_advantages(rewards, group_size=4)
     assert torch.equal(adv[:4], torch.zeros(4))
     torch.testing.assert_close(adv[4:], torch.tensor([math.sqrt(3), -1 / math.sqrt(3), -1 / math.sqrt(3),
-                                                      -1 / math.sqrt(3)]), atol=1e-5, rtol=1e-5)
-    # advantages sum to 0 per group
-    torch.testing.assert_close(adv.view(2, 4).sum(1), torch.zeros(2), atol=1e-6, rtol=0)
+                                                      -1 / math.sqrt(3)]),
+                               atol=0, rtol=1e-6 / math.sqrt(0.1875) + gamma(13))  # eps / σ, and rounding
+    # advantages sum to 0 per group: 4 terms, each one division off the exact (R - μ = 0.75, -0.25 are exact)
+    magnitude = float(adv.view(2, 4).abs().sum(1).max())
+    torch.testing.assert_close(adv.view(2, 4).sum(1), torch.zeros(2), atol=sum_tolerance(4 + 1, magnitude), rtol=0)
 
 
 @pytest.mark.parametrize("group_size", [0, 3, 5, -1])
@@ -158,7 +167,10 @@ def test_leave_one_out_sums_to_zero_and_closed_form():
         rewards = torch.randn(5 * G, generator=gen, dtype=torch.float64)
         adv = leave_one_out_advantages(rewards, G)
         grouped = rewards.view(-1, G)
-        torch.testing.assert_close(adv.view(-1, G).sum(1), torch.zeros(5, dtype=torch.float64), atol=1e-12, rtol=0)
+        # each A_i = R_i - (Σ R - R_i) / (G - 1): G + 3 roundings of terms of size Σ|R|, then G of them summed
+        magnitude = float(grouped.abs().sum(1).max()) * 2
+        torch.testing.assert_close(adv.view(-1, G).sum(1), torch.zeros(5, dtype=torch.float64), rtol=0,
+                                   atol=sum_tolerance(2 * G + 3, magnitude, torch.float64))
         closed = (G / (G - 1)) * (grouped - grouped.mean(1, keepdim=True))  # A_i = G/(G-1) (R_i - R̄)
         torch.testing.assert_close(adv, closed.reshape(-1))
 
