@@ -57,7 +57,7 @@ from rl_lightning.models.policy import DType, load_policy
 from rl_lightning.rollout.batch import RolloutBatch
 from rl_lightning.rollout.generation import (
     _cache_argument, _returned_cache, can_share_prompts, distinct_rows, expandable_cache, position_ids_from_mask,
-    unshareable,
+    repeat_cache_rows, unshareable,
 )
 
 
@@ -134,12 +134,13 @@ def shared_prompt_forward(
 
     Rows whose first ``P - 1`` columns (ids and mask) are equal -- the ``G`` rows of a group, left-padded alike --
     share them: one forward of the distinct prefixes, with gradient, fills a KV cache whose rows are repeated to
-    every row (``batch_select_indices``: an index, so the backward sums the rows' gradients into the shared keys and
-    values), then one forward of every row's columns ``P-1 .. P+T-2`` (the last prompt token and the response but
-    its last token) on that cache, with the full attention mask and position ids. A causal model computes exactly
-    what one forward of the whole rows computes at these positions (the prefix's keys/values do not depend on
-    what follows), so log-probs, entropies, hidden states and every gradient are the same up to the rounding of
-    matrix products of other shapes and of sums taken in another order.
+    every row (``repeat_cache_rows``: an ``index_select``, so the backward sums the rows' gradients into the shared
+    keys and values, in row order on every run), then one forward of every row's columns ``P-1 .. P+T-2`` (the
+    last prompt token and the response but its last token) on that cache, with the full attention mask and
+    position ids. A causal model computes exactly what one forward of the whole rows computes at these positions
+    (the prefix's keys/values do not depend on what follows), so log-probs, entropies, hidden states and every
+    gradient are the same up to the rounding of matrix products of other shapes and of sums taken in another
+    order.
 
     ``None`` (the caller runs the plain forward) when sharing saves fewer than ``min_tokens`` prompt positions
     (``(n - distinct prefixes) x (P - 1)``; none when no two rows share a prefix), when ``P < 2``, when
@@ -163,7 +164,7 @@ def shared_prompt_forward(
         unshareable(model, cache)
         return None
     del prefix
-    cache.batch_select_indices(inverse)  # [U, ...] -> [n, ...]
+    repeat_cache_rows(cache, inverse)  # [U, ...] -> [n, ...], with a backward that sums in a fixed order
     end = input_ids.shape[1] - 1  # the last token is never an input: it predicts nothing
     out = model(input_ids=input_ids[:, p - 1:end], attention_mask=attention_mask[:, :end],
                 position_ids=positions[:, p - 1:end], use_cache=True, logits_to_keep=0,
@@ -843,13 +844,13 @@ class RLModule(LightningModule):
 
     def rollout_metrics(self, batch: RolloutBatch) -> dict[str, Tensor]:
         """The fixed rollout metrics of DESIGN.md (reward, spread, lengths, truncation); for multi-turn
-        episodes also ``train/num_turns`` and ``train/env_errors``."""
+        episodes also ``train/num_turns`` and ``train/env_errors`` (the latter also for a single-turn batch in which
+        an environment failed an episode)."""
         rewards = batch.rewards.float()
         groups = rewards.view(-1, batch.group_size)
-        episodes = {} if batch.num_turns is None else {
-            "train/num_turns": batch.num_turns.float().mean(),
-            "train/env_errors": torch.tensor(float(batch.env_errors)),
-        }
+        episodes = {} if batch.num_turns is None else {"train/num_turns": batch.num_turns.float().mean()}
+        if batch.num_turns is not None or batch.env_errors:
+            episodes["train/env_errors"] = torch.tensor(float(batch.env_errors))
         return {**episodes,
             "train/reward": rewards.mean(),
             "train/reward_std": rewards.std(unbiased=False),

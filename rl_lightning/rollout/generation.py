@@ -86,6 +86,25 @@ def expandable_cache(cache: object) -> bool:
     return layers is None or (DynamicLayer is not None and all(type(layer) is DynamicLayer for layer in layers))
 
 
+def repeat_cache_rows(cache: DynamicCache, index: Tensor) -> None:
+    """Replace every layer's keys and values of ``cache`` (an ``expandable_cache``) by their rows ``index``, in place
+    of the cache's own ``batch_select_indices``, differentiably and deterministically.
+
+    ``batch_select_indices`` indexes (``keys[index]``), whose backward is an accumulating ``index_put_``; on CPU with
+    several threads that adds a repeated row's gradients with atomics, in an order that depends on thread timing,
+    so two identical runs differ in the last bits. ``index_select``'s backward (``index_add_``) adds the rows in
+    index order: the same values forward, and a gradient that is the same on every run.
+    """
+    layers = getattr(cache, "layers", None)
+    if layers is None:  # a cache without per-layer objects: its own indexing (the same values)
+        cache.batch_select_indices(index)
+        return
+    for layer in layers:
+        if getattr(layer, "keys", None) is not None and layer.keys.numel() > 0:
+            layer.keys = layer.keys.index_select(0, index)
+            layer.values = layer.values.index_select(0, index)
+
+
 #: models whose forward returned a KV cache that cannot be shared between rows (said once, then not tried again)
 _UNSHAREABLE: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 

@@ -88,3 +88,12 @@ def test_no_step_zero_evaluation_when_validation_is_off(tmp_path):
     tiny_trainer(tmp_path, max_steps=1, limit_val_batches=None).fit(GRPO(model_name_or_path="embedded:arithmetic"),
                                                                     datamodule=dm)
     assert Counting.calls == 1  # the step-0 evaluation (16 held-out prompts, one batch)
+
+
+def test_env_errors_are_logged_for_a_single_turn_batch_that_had_one():
+    from tests.algorithms.test_skipping import SPREAD, _batch
+    module = GRPO(model_name_or_path="embedded:random")
+    batch = _batch(SPREAD)  # single-turn: num_turns is None
+    assert "train/env_errors" not in module.rollout_metrics(batch)
+    batch.env_errors = 2  # e.g. GroupRollout(max_turns=1, env_errors="fail_episode") on an environment that raised
+    assert module.rollout_metrics(batch)["train/env_errors"].item() == 2.0
