@@ -40,7 +40,9 @@ METHODS = {  # name: (label, config, extra overrides)
     "reinforce": ("REINFORCE", "configs/reinforce.yaml", []),
     "grpo": ("GRPO", "configs/grpo.yaml", []),
     "grpo_tis": ("GRPO + TIS (C = 2)", "configs/grpo.yaml", ["--model.init_args.tis_cap", "2.0"]),
-    "score_centering": ("ScoreCentering (top-8)", "configs/score_centering.yaml", []),
+    # the plain correction (w = 1), as the study was run; the shipped config adds importance weights (C = 2)
+    "score_centering": ("ScoreCentering (top-8)", "configs/score_centering.yaml",
+                        ["--model.init_args.importance_cap", "null"]),
     "stable_reinforce": ("StableReinforce (K = 8)", "configs/stable_reinforce.yaml", []),
 }
 SETTINGS = {  # name: (label, sync interval, sampler dtype)
