@@ -45,7 +45,7 @@ import rl_lightning
 from rl_lightning import config_check, runs
 from rl_lightning.algorithms.base import RLModule
 from rl_lightning.callbacks.safety import (
-    AtomicCheckpointIO, FailureDump, GracefulInterrupt, RunInterrupted, checkpoint_dir,
+    AtomicCheckpointIO, FailureDump, GracefulInterrupt, RunInterrupted, RunStopped, checkpoint_dir,
 )
 from rl_lightning.rollout.datamodule import RolloutDataModule
 
@@ -432,8 +432,9 @@ def cli_main(argv: list[str] | None = None) -> None:
         sys.argv[1:] = args
     try:
         build_cli(None if argv is None else args)
-    except RunInterrupted as stop:
-        print(f"rl-lightning: {stop}; resume with --ckpt_path last", file=sys.stderr)
+    except (RunInterrupted, RunStopped) as stop:
+        resume = "; resume with --ckpt_path last" if stop.path is not None else ""
+        print(f"rl-lightning: {stop}{resume}", file=sys.stderr)
         raise SystemExit(128 + stop.signum) from None
     except ConfigParseError as exc:
         if traceback_wanted:

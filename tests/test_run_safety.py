@@ -210,7 +210,9 @@ def test_an_interrupted_run_saves_its_last_step_and_resumes_exactly(tmp_path, si
     saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
     stopped_at = saved["global_step"]
     assert 3 <= stopped_at < 14
-    assert f"rl-lightning: stopped by {signal.Signals(signum).name} after step {stopped_at}; checkpoint: " in err
+    # the step index of the logs: "finishing step k", then "after step k" (k + 1 steps done, resumed at k + 1)
+    assert f"received {signal.Signals(signum).name}: finishing step {stopped_at - 1}, then writing" in out
+    assert f"rl-lightning: stopped by {signal.Signals(signum).name} after step {stopped_at - 1}; checkpoint: " in err
     assert _logged_steps(run) == stopped_at  # the checkpoint holds every step that was logged
 
     proc = _cli_process(["fit", "--config", GRPO, *steps, "--ckpt_path", "last"], cut)
@@ -223,6 +225,33 @@ def test_an_interrupted_run_saves_its_last_step_and_resumes_exactly(tmp_path, si
         assert torch.equal(value, b["state_dict"][key]), key
     assert scalars(run, "train/reward") == scalars(straight / "runs" / "grpo" / "version_0", "train/reward")
     assert scalars(run, "val/reward") == scalars(straight / "runs" / "grpo" / "version_0", "val/reward")
+
+
+def test_a_second_interrupt_stops_at_once_with_status_130_and_one_line(tmp_path):
+    layer = tmp_path / "slow.yaml"
+    layer.write_text(yaml.safe_dump({"trainer": {"callbacks": [
+        {"class_path": "tests.helpers.failing.SlowSteps", "init_args": {"step": 3, "seconds": 30.0}},
+        {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {"every_n_train_steps": 1}}]}}))
+    proc = _cli_process(["fit", "--config", GRPO, "--config", str(layer), *tiny(10, val_every=10)], tmp_path)
+    run = tmp_path / "runs" / "grpo" / "version_0"
+    deadline = time.time() + 300
+    while _logged_steps(run) < 3 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.0)  # inside step 3's sleep
+    assert proc.poll() is None, "the run ended before it could be interrupted"
+    proc.send_signal(signal.SIGINT)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-3000:]
+    assert "received SIGINT: finishing step 3, then writing a checkpoint" in out
+    last = run / "checkpoints" / "last.ckpt"
+    assert "Traceback" not in err
+    assert [ln for ln in err.splitlines() if ln.startswith("rl-lightning: stopped")] == [
+        "rl-lightning: stopped at once by a second SIGINT in step 3; the last checkpoint is "
+        "runs/grpo/version_0/checkpoints/last.ckpt; resume with --ckpt_path last"]
+    assert torch.load(last, weights_only=False)["global_step"] == 3  # steps 0-2, written before step 3
+    assert not (run / "failures").exists()  # an interrupt is not a failure
 
 
 # ------------------------------------------------------------------------------------------- failures

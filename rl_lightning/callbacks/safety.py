@@ -4,7 +4,7 @@
   target, so a write killed half-way never leaves a truncated ``last.ckpt`` (the previous one stays).
 * ``GracefulInterrupt``: the first SIGINT (Ctrl-C) or SIGTERM (cluster preemption) lets the current step
   finish, writes ``last.ckpt`` of that completed step and stops the run (``RunInterrupted``); a second
-  signal stops at once.
+  signal stops at once (``RunStopped``).
 * ``FailureDump``: when a training step raises (a non-finite loss or gradient, a reward function that raises,
   ...), the step's rollout batch, its RNG state and the state at the start of the step are written to
   ``<run>/failures/step_<k>/``; ``rl-lightning replay <that directory>`` re-runs exactly that update.
@@ -75,10 +75,11 @@ class GracefulInterrupt(Callback):
 
     The signal is only noted by the handler; the decision is taken at the end of a training step or a
     validation (and agreed on by all ranks, so every rank stops after the same step). A second signal
-    stops at once (``KeyboardInterrupt``); the last checkpoint written stays intact.
+    stops at once (``RunStopped``); the last checkpoint written stays intact.
 
     Once the checkpoint is written, ``Trainer.fit`` raises ``RunInterrupted`` (the CLI exits with status
-    128 + the signal number, as a shell reports a process ended by that signal).
+    128 + the signal number, as a shell reports a process ended by that signal, and so it does after a second
+    signal). Steps are named by their index, as in the logs (step ``k`` is the ``k+1``-th).
 
     Attributes:
         received: the signal number received, or ``None``.
@@ -90,23 +91,25 @@ class GracefulInterrupt(Callback):
         self.saved_path: Path | None = None
         self._previous: dict[int, Any] = {}
         self._trainer: Trainer | None = None
+        self._step = 0  # the step the next check follows: the one running (or, between steps, the next one)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.received, self.saved_path, self._trainer = None, None, trainer
+        self._step = trainer.global_step
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be installed from the main thread
         for signum in (signal.SIGINT, signal.SIGTERM):
             self._previous[signum] = signal.signal(signum, self._handle)
 
     def _handle(self, signum: int, frame: Any) -> None:  # noqa: ARG002
+        trainer = self._trainer
         if self.received is not None:  # the second signal: stop now
             self._restore()
-            raise KeyboardInterrupt
+            last = checkpoint_dir(trainer) / f"{ModelCheckpoint.CHECKPOINT_NAME_LAST}{ModelCheckpoint.FILE_EXTENSION}"
+            raise RunStopped(signum, self._step, last if last.is_file() else None)
         self.received = signum
-        trainer = self._trainer
-        step = trainer.global_step if trainer is not None else "?"
-        print(f"\nrl-lightning: received {signal.Signals(signum).name}: finishing step {step}, then writing a "
-              "checkpoint (send it again to stop at once)", flush=True)
+        print(f"\nrl-lightning: received {signal.Signals(signum).name}: finishing step {self._step}, then writing "
+              "a checkpoint (send it again to stop at once)", flush=True)
         launcher = getattr(trainer.strategy, "launcher", None) if trainer is not None else None
         if launcher is not None and trainer.is_global_zero and hasattr(launcher, "kill"):
             launcher.kill(signum)  # processes this one started (Lightning's ddp launcher) stop too
@@ -130,15 +133,24 @@ class GracefulInterrupt(Callback):
         trainer.save_checkpoint(path)
         self.saved_path = path
         signum = self.received if self.received is not None else signal.SIGTERM  # another rank's signal
-        raise RunInterrupted(int(signum), trainer.global_step, path)
+        raise RunInterrupted(int(signum), trainer.global_step - 1, path)
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._step = trainer.global_step
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self._check(trainer)
+        self._step = trainer.global_step
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not trainer.sanity_checking and trainer.state.fn == "fit":
+            self._step = trainer.global_step - 1  # its check follows the step it validates
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not trainer.sanity_checking and trainer.state.fn == "fit":
             self._check(trainer)
+            self._step = trainer.global_step
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._restore()
@@ -157,6 +169,20 @@ class RunInterrupted(Exception):
     def __init__(self, signum: int, step: int, path: Path) -> None:
         self.signum, self.step, self.path = signum, step, path
         super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}; checkpoint: {path}")
+
+
+class RunStopped(BaseException):
+    """Raised by ``GracefulInterrupt``'s handler on a second signal: the run stops at once, in step ``step``.
+
+    A ``BaseException`` like ``KeyboardInterrupt`` (no ``except Exception`` on the way swallows it), but not one:
+    Lightning turns a ``KeyboardInterrupt`` into exit status 1, and the CLI exits with 128 + the signal number.
+    ``path`` is the last checkpoint written (``None`` if none was).
+    """
+
+    def __init__(self, signum: int, step: int, path: Path | None) -> None:
+        self.signum, self.step, self.path = signum, step, path
+        saved = f"the last checkpoint is {path}" if path is not None else "no checkpoint was written yet"
+        super().__init__(f"stopped at once by a second {signal.Signals(signum).name} in step {step}; {saved}")
 
 
 # ---------------------------------------------------------------------------------------------------- failures
@@ -275,7 +301,8 @@ class FailureDump(Callback):
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._remove_hooks()
-        if isinstance(exception, (KeyboardInterrupt, SystemExit, RunInterrupted)) or trainer.state.fn != "fit":
+        stopped = (KeyboardInterrupt, SystemExit, RunInterrupted, RunStopped)
+        if isinstance(exception, stopped) or trainer.state.fn != "fit":
             return
         batch = self._batch
         where = "update"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -36,3 +37,14 @@ class NonFiniteAtStep(Callback):
         self._seen = (module.global_step, count)
         scale = float("nan") if module.global_step == self.step and count - 1 == self.call else 0.0
         return (logprobs * weights).sum() * scale, {}
+
+
+class SlowSteps(Callback):
+    """Sleeps ``seconds`` at the start of every step from ``step`` on (a step long enough to be interrupted in)."""
+
+    def __init__(self, step: int, seconds: float) -> None:
+        self.step, self.seconds = step, seconds
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step >= self.step:
+            time.sleep(self.seconds)
