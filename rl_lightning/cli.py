@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import sys
 import time
 import warnings
@@ -257,6 +258,32 @@ class RLCLI(LightningCLI):
             rank_zero_info(f"rl-lightning: run directory {os.path.abspath(log_dir)} ({verb}); checkpoints in "
                            f"{checkpoint_dir(self.trainer).resolve()}")
 
+    def _run_subcommand(self, subcommand: str) -> None:
+        try:
+            super()._run_subcommand(subcommand)
+        except BaseException:
+            self._remove_empty_run()  # a run that failed in its setup leaves no directory behind
+            raise
+
+    def _remove_empty_run(self) -> bool:
+        """Remove a new run's directory when the run logged nothing (it failed in setup, or had ``max_steps``
+        0): it holds only ``config.yaml``, ``hparams.yaml`` and an empty event file. Returns whether it did."""
+        trainer = getattr(self, "trainer", None)
+        if (trainer is None or self._resume is not None or not trainer.log_dir or not trainer.is_global_zero
+                or trainer.global_step > 0 or getattr(self.model, "val_history", None)):
+            return False
+        run = Path(trainer.log_dir)
+        written = ("config.yaml", "hparams.yaml", "events.out.tfevents.")
+        if not run.is_dir() or any(p.is_dir() or not p.name.startswith(written) for p in run.iterdir()):
+            return False
+        shutil.rmtree(run)
+        save_dir = Path(getattr(trainer.logger, "save_dir", None) or run.parent).resolve()
+        for parent in run.resolve().parents:  # runs/<name> (and runs), when this run was all they held
+            if not (parent == save_dir or save_dir in parent.parents) or any(parent.iterdir()):
+                break
+            parent.rmdir()
+        return True
+
     def after_fit(self) -> None:
         elapsed = time.perf_counter() - self._started
         history = list(getattr(self.model, "val_history", []) or [])
@@ -264,8 +291,16 @@ class RLCLI(LightningCLI):
         if history:
             (s0, v0), (s1, v1) = history[0], history[-1]
             parts.append(f"val/reward {v0:.3f} at step {s0} -> {v1:.3f} at step {s1}")
-        parts.append(f"{self.trainer.global_step} steps in {_duration(elapsed)}")
-        parts.append(f"checkpoints: {checkpoint_dir(self.trainer).resolve()}")
+        start = self._resume.step if self._resume is not None else 0
+        resumed = f" (resumed at step {start})" if self._resume is not None else ""
+        done = self.trainer.global_step - start
+        parts.append(f"{done} step{'' if done == 1 else 's'} in {_duration(elapsed)}{resumed}")
+        if self._remove_empty_run():
+            parts.append("nothing was trained or logged, so no run directory is kept")
+            rank_zero_info("rl-lightning: " + "; ".join(parts))
+            return
+        if checkpoint_dir(self.trainer).is_dir():
+            parts.append(f"checkpoints: {checkpoint_dir(self.trainer).resolve()}")
         if self.trainer.log_dir:
             parts.append(f"logs: {os.path.abspath(self.trainer.log_dir)} (tensorboard --logdir "
                          f"{os.path.dirname(os.path.abspath(self.trainer.log_dir))})")

@@ -106,6 +106,42 @@ def test_last_of_another_task_is_refused_with_the_command_that_resumes_this_ones
                                        "--ckpt_path")
 
 
+def test_a_run_that_trains_nothing_leaves_no_run_directory(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    code, line = one_line_error(capsys, "fit", "--config", GRPO, *tiny(2), "--data.init_args.group_size", "1")
+    assert code == 2 and "GRPO needs data.group_size >= 2" in line  # refused in the method's setup
+    assert not (tmp_path / "runs").exists()
+    proc = _cli_process(["fit", "--config", GRPO, *tiny(0)], tmp_path)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    summary = [ln for ln in err.splitlines() if ln.startswith("rl-lightning: 0 steps")]
+    assert len(summary) == 1 and summary[0].endswith("nothing was trained or logged, so no run directory is kept")
+    assert not (tmp_path / "runs").exists()
+    (tmp_path / "runs" / "grpo" / "version_0").mkdir(parents=True)  # another run's: kept
+    (tmp_path / "runs" / "grpo" / "version_0" / "notes.txt").write_text("mine")
+    code, line = one_line_error(capsys, "fit", "--config", GRPO, *tiny(2), "--data.init_args.group_size", "1")
+    assert sorted(p.name for p in (tmp_path / "runs" / "grpo").iterdir()) == ["version_0"]
+
+
+def test_the_summary_names_a_checkpoints_directory_only_when_there_is_one(tmp_path):
+    proc = _cli_process(["fit", "--config", GRPO, *tiny(2), "--trainer.enable_checkpointing", "false",
+                         "--trainer.callbacks", "[]"], tmp_path)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    summary = [ln for ln in err.splitlines() if ln.startswith("rl-lightning: val/reward")]
+    assert len(summary) == 1 and "; 2 steps in " in summary[0] and "checkpoints:" not in summary[0]
+
+
+def test_a_resumed_runs_summary_counts_only_the_steps_it_ran(tmp_path):
+    proc = _cli_process(["fit", "--config", GRPO, *tiny(2)], tmp_path)
+    assert proc.wait(timeout=300) == 0
+    proc = _cli_process(["fit", "--config", GRPO, *tiny(3), "--ckpt_path", "last"], tmp_path)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    summary = [ln for ln in err.splitlines() if ln.startswith("rl-lightning: val/reward")]
+    assert len(summary) == 1 and "; 1 step in " in summary[0] and "(resumed at step 2); checkpoints: " in summary[0]
+
+
 def test_resuming_an_earlier_checkpoint_continues_the_curves_without_overlap(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     fit(*tiny(4))
