@@ -103,8 +103,8 @@ def test_bad_model_path_gives_one_clear_line(tmp_path):
     [(["--data.init_args.group_size", "-3"],  # checked when the data module is built
       "rl-lightning: error in data (rl_lightning.rollout.RolloutDataModule): RolloutDataModule: invalid group_size=-3"),
      (["--data.init_args.group_size", "1"],  # checked by the method at setup, inside Trainer.fit
-      "rl-lightning: error: GRPO needs data.group_size >= 2 (its baseline compares the responses to one prompt), "
-      "got 1")],
+      "rl-lightning: error: GRPO needs data.init_args.group_size >= 2 (its baseline compares the responses to one "
+      "prompt), got 1")],
 )
 def test_bad_values_end_with_one_line_not_a_traceback(override, line, tmp_path):
     proc = _cli("fit", "--config", str(REPO / "configs" / "grpo.yaml"), *TINY, *override, cwd=tmp_path)
@@ -209,3 +209,20 @@ def test_the_smollm2_config_before_its_checkpoint_is_built_says_how_to_build_it(
         "model_name_or_path='~/.cache/rl_lightning/SmolLM2-135M-Instruct': no such directory; build it with "
         "`python experiments/smollm2.py`"])
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_readme_lists_every_scalar_a_grpo_run_logs(tmp_path, monkeypatch):
+    import re
+
+    text = (REPO / "README.md").read_text()
+    start = text.index("a GRPO run (`configs/grpo.yaml`) logs")
+    listed = text[start:start + re.search(r"With a KL\s+penalty on", text[start:]).start()]
+    names = set()
+    for name in re.findall(r"`((?:train|val|perf)/[a-z_]+(?:\([a-z_/]+\))?)`", listed):
+        base, _, variants = name.partition("(")
+        names |= {base, *(base + v for v in variants.rstrip(")").split("/") if variants)}
+    monkeypatch.chdir(tmp_path)
+    build_cli(["fit", "--config", str(REPO / "configs" / "grpo.yaml"), *TINY])
+    acc = EventAccumulator(str(tmp_path / "runs" / "grpo" / "version_0"))
+    acc.Reload()
+    assert names == set(acc.Tags()["scalars"])

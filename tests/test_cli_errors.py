@@ -162,3 +162,13 @@ def test_what_the_check_cannot_judge_keeps_jsonargparses_innermost_cause():
     - Expected a <class 'bool'>
   Given value: NestedArg(key='bogus', val='1')"""
     assert _parse_error_line(message, []) == "trainer.logger.init_args.bogus: Option 'bogus' is not accepted"
+
+
+def test_a_prompt_file_line_without_an_answer_lists_its_keys(capsys, tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "solution": "4"}\n')
+    code, line = error_line(capsys, "--data.init_args.task", "rl_lightning.envs.JsonlTask",
+                            "--data.init_args.task.init_args.train_file", str(data),
+                            "--data.init_args.task.init_args.num_heldout", "1")
+    assert code == 2
+    assert line.endswith(f"{data}:2: missing field 'answer' (keys: ['prompt', 'solution'])")

@@ -21,7 +21,7 @@ from tests.conftest import REPO
 
 DOC = REPO / "docs" / "extending.md"
 EXAMPLES = REPO / "docs" / "examples"
-COMMAND = "PYTHONPATH=docs/examples rl-lightning fit --config docs/examples/dr_grpo.yaml"
+COMMAND = "PYTHONPATH=docs/examples .venv/bin/rl-lightning fit --config docs/examples/dr_grpo.yaml"
 TINY = [
     "--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--data.init_args.prompts_per_step", "4",
     "--data.init_args.group_size", "4", "--data.init_args.task.init_args.num_heldout", "16",
@@ -90,7 +90,7 @@ def test_the_documented_command_runs(tmp_path):
     env_part, *argv = shlex.split(COMMAND)
     key, value = env_part.split("=")
     assert (key, value) == ("PYTHONPATH", "docs/examples")
-    assert argv[:3] == ["rl-lightning", "fit", "--config"]
+    assert argv[:3] == [".venv/bin/rl-lightning", "fit", "--config"]  # as the README writes it
     exe = Path(sys.executable).with_name("rl-lightning")
     command = [str(exe)] if exe.exists() else [sys.executable, "-m", "rl_lightning"]
     command += [argv[1], argv[2], str(REPO / argv[3]), *TINY]

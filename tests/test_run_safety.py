@@ -109,7 +109,7 @@ def test_last_of_another_task_is_refused_with_the_command_that_resumes_this_ones
 def test_a_run_that_trains_nothing_leaves_no_run_directory(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     code, line = one_line_error(capsys, "fit", "--config", GRPO, *tiny(2), "--data.init_args.group_size", "1")
-    assert code == 2 and "GRPO needs data.group_size >= 2" in line  # refused in the method's setup
+    assert code == 2 and "GRPO needs data.init_args.group_size >= 2" in line  # refused in the method's setup
     assert not (tmp_path / "runs").exists()
     proc = _cli_process(["fit", "--config", GRPO, *tiny(0)], tmp_path)
     out, err = proc.communicate(timeout=300)

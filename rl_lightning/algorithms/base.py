@@ -425,13 +425,13 @@ class RLModule(LightningModule):
             if rows % self.num_minibatches:
                 raise ValueError(
                     f"{type(self).__name__}: num_minibatches={self.num_minibatches} does not divide the {rows} rows "
-                    f"of a rollout batch per device (data.prompts_per_step={per_step} / {self.trainer.world_size} "
-                    f"device(s) x data.group_size={group_size})"
+                    f"of a rollout batch per device (data.init_args.prompts_per_step={per_step} / "
+                    f"{self.trainer.world_size} device(s) x data.init_args.group_size={group_size})"
                 )
         if group_size is not None and group_size < self.min_group_size:
             raise ValueError(
-                f"{type(self).__name__} needs data.group_size >= {self.min_group_size} (its baseline compares the "
-                f"responses to one prompt), got {group_size}"
+                f"{type(self).__name__} needs data.init_args.group_size >= {self.min_group_size} (its baseline "
+                f"compares the responses to one prompt), got {group_size}"
             )
         self.check_datamodule(datamodule)
 

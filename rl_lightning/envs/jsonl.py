@@ -44,7 +44,8 @@ def read_prompt_file(path: str | Path, require_answer: bool = True) -> list[Prom
                 raise PromptFileError(f"{where}: field 'prompt' must be a string, got {type(record['prompt']).__name__}")
             answer = record.get("answer")
             if answer is None and require_answer:
-                raise PromptFileError(f"{where}: missing field 'answer'")
+                null = ", 'answer' is null" if "answer" in record else ""
+                raise PromptFileError(f"{where}: missing field 'answer' (keys: {sorted(record)}{null})")
             if answer is not None and not isinstance(answer, (str, int, float)):
                 raise PromptFileError(f"{where}: field 'answer' must be a string or number, got {type(answer).__name__}")
             metadata = {k: v for k, v in record.items() if k not in ("prompt", "answer")}
