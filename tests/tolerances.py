@@ -96,18 +96,19 @@ def decoder_logprob_tolerance(model, hidden: Tensor, temperature: float, context
                                   head_dim, context_length)
 
 
-def decoder_gradient_tolerance(config, context_length: int, terms: int, scale: Tensor) -> Tensor:  # noqa: ANN001
+def decoder_gradient_tolerance(config, context_length: int, terms: int, scale, passes: int = 2):  # noqa: ANN001
     """Bound of ``|g - g'|`` for two float32 computations of a gradient summed from per-row contributions ``g_r``
     computed in other shapes and orders (micro-batches, bucketing, skipped rows).
 
-    Each ``g_r`` goes through a forward and a backward with ``decoder_depth`` reductions in series each: a
-    relative error of about ``sqrt(2 K) · u`` (the probabilistic bound of Higham & Mary, 2019, as for the
-    log-probs); the two computations round independently (``x 2``); adding up ``terms`` contributions (rows x
-    positions of a weight gradient's matrix product) in any order adds at most ``terms · u`` (worst case).
-    Both relative to ``scale``, the magnitude of the terms (e.g. ``Σ_r |g_r|`` entrywise, or the gradient's
-    ``max |g|``), never to the (cancelling) sum itself."""
+    Each ``g_r`` goes through a forward and a backward (``passes = 2``; a Fisher-vector product by double
+    backward or Jacobian products: 4) with ``decoder_depth`` reductions in series each: a relative error of about
+    ``sqrt(passes K) · u`` (the probabilistic bound of Higham & Mary, 2019, as for the log-probs); the two
+    computations round independently (``x 2``); adding up ``terms`` contributions (rows x positions of a weight
+    gradient's matrix product) in any order adds at most ``terms · u`` (worst case). Both relative to ``scale``,
+    the magnitude of the terms (e.g. ``Σ_r |g_r|`` entrywise, or the gradient's ``max |g|``), never to the
+    (cancelling) sum itself."""
     depth = decoder_depth(config, context_length)
-    return 2 * (math.sqrt(2 * depth) + terms) * unit_roundoff(torch.float32) * scale
+    return 2 * (math.sqrt(passes * depth) + terms) * unit_roundoff(torch.float32) * scale
 
 
 # ------------------------------------------------------------------------------------------------ log-softmax
@@ -145,3 +146,30 @@ def softmax_gradient_tolerance(logits: Tensor, temperature: float, entropy: floa
     delta = log_softmax_tolerance(logits, temperature, dtype) + 2 * unit_roundoff(dtype)
     delta_h = entropy_tolerance(logits, temperature, entropy, dtype)
     return upstream * (delta * (2 + 1 / math.e + entropy) + delta_h) / temperature
+
+
+def decoder_logit_scale_bound(model) -> float:  # noqa: ANN001
+    """An upper bound of ``S = max_v Σ_i |W_vi h_i|`` over every input: the final RMS norm's output ``γ ⊙ x̂``
+    has ``‖x̂‖₂ = sqrt(H)``, so by Cauchy-Schwarz ``S <= sqrt(H) · max_v ‖W_v ⊙ γ‖₂`` (Llama-style decoders,
+    ``model.model.norm``)."""
+    head = model.get_output_embeddings().weight.detach().float()
+    gain = model.model.norm.weight.detach().float()
+    return math.sqrt(head.shape[1]) * float((head * gain).norm(dim=1).max())
+
+
+def decoder_logit_tolerance(model, context_length: int) -> float:  # noqa: ANN001
+    """Two float32 computations of the same logits (other kernels, shapes, orders): ``2 sqrt(K) u S``
+    (``rollout_helpers.fp32_logprob_tolerance``, step 1), ``S`` from ``decoder_logit_scale_bound``."""
+    depth = decoder_depth(model.config, context_length)
+    return 2 * math.sqrt(depth) * unit_roundoff(torch.float32) * decoder_logit_scale_bound(model)
+
+
+def decoder_logprob_bound(model, temperature: float, context_length: int) -> float:  # noqa: ANN001
+    """``decoder_logprob_tolerance`` without the hidden states, for a metric logged inside a fit: ``S`` from
+    ``decoder_logit_scale_bound``."""
+    from tests.rollout.rollout_helpers import fp32_logprob_tolerance
+
+    scale = decoder_logit_scale_bound(model)
+    layers, width, intermediate, head_dim = decoder_shape(model.config)
+    return fp32_logprob_tolerance(scale, temperature, model.config.vocab_size, layers, width, intermediate,
+                                  head_dim, context_length)
