@@ -6,7 +6,9 @@ and only when the cores are contended. So each run here goes through the command
 two other processes keep both cores busy. The weights of the last checkpoints are compared with ``torch.equal``:
 the runs execute the same operations on the same inputs, so any difference is a non-deterministic operation.
 (Before ``rollout.generation.repeat_cache_rows`` the shared prompt forward's backward was such an operation:
-30 of 39 tensors differed by up to 1.1e-7 after 3 steps of this run.)
+30 of 39 tensors differed by up to 1.1e-7 after 3 steps of this run.) Whether a race shows in one pair of runs
+depends on timing, so the operation itself is also checked for, without timing: no accumulating ``index_put``
+runs in a training step.
 """
 
 from __future__ import annotations
@@ -19,8 +21,12 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.conftest import REPO
+from lightning.pytorch import Callback
+
+from rl_lightning.algorithms import GRPO
+from tests.conftest import REPO, RecordRollouts, tiny_datamodule, tiny_trainer
 
 #: configs/grpo.yaml cut to a few seconds a step: 16 prompts x 8 responses (the shared-prompt forward's
 #: shape), a small held-out set
@@ -57,6 +63,49 @@ def _assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]
     assert a.keys() == b.keys()
     differ = {k: float((a[k].double() - b[k].double()).abs().max()) for k in a if not torch.equal(a[k], b[k])}
     assert not differ, f"{len(differ)} of {len(a)} tensors differ: {differ}"
+
+
+class _AccumulatingIndexOps(TorchDispatchMode):
+    """Records every operation that CPU threads may accumulate in a timing-dependent order: an accumulating
+    ``index_put`` (the backward of ``x[index]``) and an accumulating ``put_`` -- the CPU operations that
+    ``torch.use_deterministic_algorithms`` switches to another implementation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        name = func.name()
+        if name.startswith(("aten::index_put", "aten::_index_put_impl", "aten::put")):
+            accumulate = kwargs.get("accumulate", next((a for a in args[2:] if isinstance(a, bool)), False))
+            if accumulate:
+                self.seen.append(f"{name} into {tuple(args[0].shape)}")
+        return func(*args, **kwargs)
+
+
+class _SpyOnTrainingSteps(Callback):
+    def __init__(self) -> None:
+        self.spy = _AccumulatingIndexOps()
+
+    def on_train_batch_start(self, *args) -> None:  # noqa: ANN002
+        self.spy.__enter__()
+
+    def on_train_batch_end(self, *args) -> None:  # noqa: ANN002
+        self.spy.__exit__(None, None, None)
+
+
+def test_the_update_runs_no_operation_that_accumulates_in_thread_order(tmp_path):
+    """Two steps of configs/grpo.yaml's shape (16 prompts x 8: the shared prompt forward, skipping and length
+    bucketing all act): the backward sums a prompt's rows into its shared keys and values with ``index_add`` (in
+    index order), not with an accumulating ``index_put`` (atomics across threads, which made two runs differ)."""
+    torch.manual_seed(0)
+    module = GRPO(model_name_or_path="embedded:arithmetic")
+    dm = tiny_datamodule(prompts_per_step=16, group_size=8, max_new_tokens=6)
+    record, spy = RecordRollouts(), _SpyOnTrainingSteps()
+    tiny_trainer(tmp_path, max_steps=2, callbacks=[record, spy]).fit(module, datamodule=dm)
+    assert len(record.rewards) == 2 and all(m["train/skipped_rows"] < 1 for m in record.metrics)  # rows forwarded
+    assert spy.spy.seen == [], spy.spy.seen
 
 
 def test_the_same_seed_gives_the_same_weights_with_two_threads_on_busy_cores(tmp_path):
