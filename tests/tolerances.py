@@ -149,12 +149,17 @@ def softmax_gradient_tolerance(logits: Tensor, temperature: float, entropy: floa
 
 
 def decoder_logit_scale_bound(model) -> float:  # noqa: ANN001
-    """An upper bound of ``S = max_v Σ_i |W_vi h_i|`` over every input: the final RMS norm's output ``γ ⊙ x̂``
-    has ``‖x̂‖₂ = sqrt(H)``, so by Cauchy-Schwarz ``S <= sqrt(H) · max_v ‖W_v ⊙ γ‖₂`` (Llama-style decoders,
-    ``model.model.norm``)."""
+    """An upper bound of ``S = max_v Σ_i |W_vi h_i|`` over every input: the final norm's output ``γ ⊙ x̂ (+ β)``
+    has ``‖x̂‖₂ <= sqrt(H)`` (RMS norm: equal; layer norm: the centred vector's), so by Cauchy-Schwarz
+    ``S <= sqrt(H) · max_v ‖W_v ⊙ γ‖₂ (+ Σ_i |W_vi β_i|)`` (Llama/Qwen2 ``model.model.norm``, GPT-2
+    ``model.transformer.ln_f``)."""
     head = model.get_output_embeddings().weight.detach().float()
-    gain = model.model.norm.weight.detach().float()
-    return math.sqrt(head.shape[1]) * float((head * gain).norm(dim=1).max())
+    norm = model.model.norm if hasattr(model, "model") else model.transformer.ln_f
+    gain = norm.weight.detach().float()
+    bound = math.sqrt(head.shape[1]) * (head * gain).norm(dim=1)
+    if getattr(norm, "bias", None) is not None:
+        bound = bound + (head.abs() @ norm.bias.detach().float().abs())
+    return float(bound.max())
 
 
 def decoder_logit_tolerance(model, context_length: int) -> float:  # noqa: ANN001
