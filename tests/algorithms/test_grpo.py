@@ -33,7 +33,8 @@ def test_two_steps_change_the_weights_and_log_the_fixed_metrics(tmp_path, record
                  "perf/step_time", "perf/rollout_time", "perf/tokens_per_sec"):
         assert name in names, name
     # On-policy, before the first update, the learner reproduces the sampler's log-probs (float32 rounding)
-    assert recorder.metrics[0]["train/sampler_logp_diff"] <= decoder_logprob_bound(module.policy, 1.0, module.policy.config.max_position_embeddings)
+    assert recorder.metrics[0]["train/sampler_logp_diff"] <= decoder_logprob_bound(
+        module.policy, 1.0, module.policy.config.max_position_embeddings)
     assert len(recorder.rewards[0]) == 16  # 4 prompts x G=4
 
 

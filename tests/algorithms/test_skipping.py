@@ -119,8 +119,8 @@ def _assert_same_gradient(got: list, want: list, module, batch: RolloutBatch) ->
 
 
 def _grad_norm_tolerance(got: list, want: list) -> float:  # noqa: ANN001
-    """``train/grad_norm`` (the mean over optimiser steps of ``‖g‖``): ``|‖g‖ - ‖g'‖| <= ‖g - g'‖`` (measured, in
-    float64), plus each run's rounding of its norm, a sum of ``N`` squares: ``sqrt(N) u`` of it (probabilistic)."""
+    """``train/grad_norm`` (the mean over optimiser steps of ``‖g‖``): ``|‖g‖ - ‖g'‖| <= ‖g - g'‖`` (measured,
+    in float64), plus each run's rounding of its norm, a sum of ``N`` squares: ``sqrt(N) u`` of it (probabilistic)."""
     bounds = []
     for step_got, step_want in zip(got, want):
         pairs = [(g.double(), w.double()) for g, w in zip(step_got, step_want) if w is not None]

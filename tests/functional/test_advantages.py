@@ -56,7 +56,8 @@ def test_group_advantages_multiple_groups():
     s = math.sqrt(1.5)
     r2 = math.sqrt(2.0)
     expected = torch.tensor([-s, 0.0, s, -1 / r2, -1 / r2, r2, 0.0, 0.0, 0.0])
-    # mean (3 terms), centring, std (3 squares, a division, a sqrt), + eps, the division, float32(expected): 12 roundings
+    # mean (3 terms), centring, std (3 squares, a division, a sqrt), + eps, the division, float32(expected):
+    # 12 roundings
     torch.testing.assert_close(adv, expected, atol=0, rtol=gamma(12))
 
 
