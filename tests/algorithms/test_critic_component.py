@@ -47,8 +47,12 @@ def test_critic_updates_take_k_passes_of_minibatches_each_clipped_on_its_own(mon
     stats = module.fit_critic(batch, module.loss_weights(batch), optimizer)
     assert len(norms_at_step) == 8 and len(stats["train/critic_grad_norm"]) == 8  # 2 passes x 4 minibatches
     assert min(float(n) for n in stats["train/critic_grad_norm"]) > 1e-3  # the clip had something to do
-    # clip_grad_norm_ scales by c / (norm + 1e-6): the clipped norm is c (1 - 1e-6 / norm) <= c
-    assert max(norms_at_step) <= 1e-3 * (1 + 1e-5)
+    # clip_grad_norm_ scales by c / (norm + 1e-6): the clipped norm is c (1 - 1e-6 / norm) <= c, up to the
+    # scaling's rounding (u) and the two norms' (each a sum of N squares: sqrt(N) u of it, probabilistic)
+    from tests.tolerances import gamma_probabilistic, unit_roundoff
+
+    count = sum(p.numel() for p in module.critic.parameters())
+    assert max(norms_at_step) <= 1e-3 * (1 + 2 * gamma_probabilistic(count) + 2 * unit_roundoff())
     assert all(torch.equal(a, b) for a, b in zip(policy_before, module.policy.parameters()))
 
 

@@ -142,7 +142,7 @@ def _metric_tolerances(module, batch: RolloutBatch) -> dict[str, tuple[float, fl
       ``Σ w |A| ρ · (e^δ - 1 + 2 gamma(n))``, relative to the terms (the advantages cancel per group).
     * ``train/ratio_mean``: ``mean ρ · (e^δ - 1 + 2 gamma(n))``.
     * ``train/entropy``: ``∂H/∂s_v = -p_v (log p_v + H)``, so ``|ΔH| <= 2 H max|Δs| <= H δ``; the log-probs'
-      own error ``<= δ`` adds ``Σ_v p_v δ = δ``, the vocabulary sum ``2 gamma(V) H``.
+      own error ``<= δ`` adds ``Σ_v p_v δ = δ``, the vocabulary sum ``2 gamma(V) H`` (``H``: the largest).
     * ``train/clip_fraction``: a count, exact unless a ratio lies within rounding of ``1 ± ε``; asserted here that
       none does (by twice that margin), it is then ``Σ (c_m / t_m) t_m / t``: ``gamma(n)`` of itself.
     """
@@ -158,7 +158,7 @@ def _metric_tolerances(module, batch: RolloutBatch) -> dict[str, tuple[float, fl
     drift = math.expm1(delta) + 2 * gamma(n)
     for edge in (1 - module.clip_eps_low, 1 + module.clip_eps_high):
         assert ((ratio - edge).abs() > 2 * ratio * math.expm1(delta)).all(), "a ratio on the clip edge"
-    entropy = float(out.entropy[mask].mean())
+    entropy = float(out.entropy[mask].max())  # the largest: the bound then holds for the mean over any rows
     vocab = module.policy.config.vocab_size
     terms = (weights * advantages.abs() * torch.exp(out.logprobs - batch.sampler_logprobs))[mask]
     return {  # (absolute, relative to the value)
