@@ -172,8 +172,10 @@ def callback_appends_as_configs(args: list[str]) -> list[str]:
             current = _callback_entries(_load(value))
             specs.append((len(out) + 1, current))
             out += ["--config", ""]
-        elif current and key.startswith(f"--{_CALLBACKS}.") and has_value:
-            node = current[-1].setdefault("init_args", {})
+        elif current and isinstance(current[-1], dict) and key.startswith(f"--{_CALLBACKS}.") and has_value:
+            if not isinstance(current[-1].get("init_args"), dict):
+                current[-1]["init_args"] = {}
+            node = current[-1]["init_args"]
             sub = key[len(f"--{_CALLBACKS}."):].removeprefix("init_args.").split(".")
             for part in sub[:-1]:
                 node = node.setdefault(part, {})
@@ -239,9 +241,9 @@ def gather(args: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
         i += 1
         if key in ("config", "c"):
             try:
-                text, where = Path(value).read_text(), str(value)
+                text, path = Path(value).read_text(), value
             except OSError:  # not a file: a configuration given as a string
-                text, where = value, "command line"
+                text, path = value, None
             try:
                 loaded = yaml.safe_load(text) or {}
             except yaml.YAMLError:
@@ -250,7 +252,7 @@ def gather(args: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
                 positions: dict[int, int] = {}
                 tree = _merge(tree, loaded, positions=positions)
                 for dotted, line in _yaml_lines(text).items():
-                    sources[_moved(dotted, positions)] = f"{where}:{line}" if where != "command line" else where
+                    sources[_moved(dotted, positions)] = f"{path}:{line}" if path else "command line"
             continue
         target = key.rstrip("+")
         parsed = _load(value)

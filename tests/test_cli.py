@@ -148,7 +148,7 @@ def test_short_fit_logs_the_fixed_metrics_and_resumes_from_last(tmp_path):
     acc = EventAccumulator(str(log_dir))
     acc.Reload()
     assert [e.step for e in acc.Scalars("train/reward")] == [0, 1, 2]  # the curve continues, no step twice
-    assert [e.step for e in acc.Scalars("val/reward")] == [0, 2]  # no second step-0 evaluation
+    assert [e.step for e in acc.Scalars("val/reward")] == [0, 2, 3]  # no second step-0 one; the last step's
 
     # Resuming keeps the configuration's model settings (Lightning's default would replace them with the
     # checkpoint's) and says which differ; another method's checkpoint is refused.
@@ -157,7 +157,8 @@ def test_short_fit_logs_the_fixed_metrics_and_resumes_from_last(tmp_path):
     assert proc.returncode == 2
     assert _error_lines(proc) == [
         f"rl-lightning: error: --ckpt_path {ckpt} belongs to another run; it differs in model.class_path: "
-        "'rl_lightning.algorithms.GRPO' in the checkpoint, 'rl_lightning.algorithms.RLOO' now"]
+        "'rl_lightning.algorithms.GRPO' in the checkpoint, 'rl_lightning.algorithms.RLOO' now; to resume that run "
+        f"with its own configuration: --config {log_dir / 'config.yaml'} --ckpt_path {ckpt}"]
     more4 = [a if a != "2" or i != 1 else "4" for i, a in enumerate(TINY)]  # max_steps 4
     proc = _cli("fit", "--config", str(REPO / "configs" / "grpo.yaml"), *more4, "--ckpt_path", str(ckpt),
                 "--model.init_args.clip_eps_high", "0.28", cwd=tmp_path)
