@@ -192,7 +192,8 @@ class RLCLI(LightningCLI):
         own = runs.newest_run_of(run_root, given) if spec == "last" and run_root is not None else None
         found = runs.run_dir_of(path)
         if own is not None:
-            remedy = f"; to resume the newest run of this configuration: --config {own / 'config.yaml'} --ckpt_path last"
+            remedy = (f"; to resume the newest run of this configuration: --config {own / 'config.yaml'} "
+                      "--ckpt_path last")
         elif found is not None:
             remedy = (f"; to resume that run with its own configuration: --config {found / 'config.yaml'} "
                       f"--ckpt_path {spec}" + ("" if spec != "last" else "; or start a new run without --ckpt_path"))
