@@ -269,4 +269,4 @@ def test_the_config_stacks_with_the_guess_preset(tmp_path, monkeypatch):
     assert isinstance(cli.model, CoPE) and isinstance(cli.datamodule.task, GuessNumberTask)
     assert (cli.model.forecast_coef, cli.model.forecast_horizon, cli.model.success_threshold) == (0.01, 2, 1.0)
     assert cli.model.hparams.model_name_or_path == "embedded:guess"
-    assert cli.config.trainer.logger.init_args.name == "cope"
+    assert cli.config.trainer.logger.init_args.name == "guess"  # the task preset names its runs (runs/guess)
