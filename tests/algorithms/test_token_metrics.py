@@ -87,7 +87,8 @@ def test_no_step_zero_evaluation_when_validation_is_off(tmp_path):
     dm.__class__ = Counting
     tiny_trainer(tmp_path, max_steps=1, limit_val_batches=None).fit(GRPO(model_name_or_path="embedded:arithmetic"),
                                                                     datamodule=dm)
-    assert Counting.calls == 1  # the step-0 evaluation (16 held-out prompts, one batch)
+    # the step-0 evaluation and the one after the last step (not on the validation interval): one batch each
+    assert Counting.calls == 2
 
 
 def test_env_errors_are_logged_for_a_single_turn_batch_that_had_one():

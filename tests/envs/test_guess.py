@@ -236,7 +236,7 @@ def test_the_preset_stacks_on_each_method(method):
     assert data.strategy.class_path == "rl_lightning.rollout.GroupRollout"
     assert data.strategy.init_args.max_turns == 5
     assert data.max_new_tokens == 3 and data.val_batch_size >= 31
-    assert config.trainer.logger.init_args.name == method  # run scripts pass --trainer.logger.init_args.name
+    assert config.trainer.logger.init_args.name == ("guess_ppo" if method == "ppo" else "guess")  # the preset's own runs
     assert (config.trainer.max_steps, config.trainer.val_check_interval) == (100, 10)
     if method == "ppo":
         assert config.model.init_args.lam == 1.0 and config.model.init_args.optimizer.init_args.lr == 1e-4
