@@ -11,8 +11,14 @@ from rollout_helpers import ScriptedLM, char_tokenizer_specials_last, fake_train
 from rl_lightning.algorithms import GRPO
 from rl_lightning.envs import ArithmeticTask, ExactMatchReward, Prompt, RewardError, RewardFunction
 from rl_lightning.rollout import PromptBatch, RolloutBatch, RolloutDataModule, position_ids_from_mask
+from tests.tolerances import decoder_logprob_bound
 
 TASK = ArithmeticTask(num_heldout=10, seed=1234)
+
+
+def _bound(module, batch: RolloutBatch) -> float:  # noqa: ANN001
+    """The float32 rounding bound of a recomputed log-prob (``tolerances.decoder_logprob_bound``)."""
+    return decoder_logprob_bound(module.policy, batch.temperature, batch.input_ids.shape[1])
 
 
 def _dm(module=None, rank=0, world=1, task=TASK, **kwargs) -> RolloutDataModule:
@@ -144,7 +150,8 @@ def test_rollout_is_on_policy(module):
     with torch.no_grad():
         lp, _ = module.token_logprobs(batch)
     m = batch.loss_mask.bool()
-    assert (lp - batch.sampler_logprobs)[m].abs().max() < 1e-5
+    # the same model scores the same tokens in other shapes: the float32 log-prob bound of this decoder
+    assert (lp - batch.sampler_logprobs)[m].abs().max() <= _bound(module, batch)
 
 
 def test_val_batch_does_not_advance_cursor(module):
@@ -268,7 +275,7 @@ def test_sampler_sync_interval_two(module):
     assert not any(p.requires_grad for p in sampler.parameters())
     with torch.no_grad():
         lp, _ = module.token_logprobs(b0)
-    assert (lp - b0.sampler_logprobs)[b0.loss_mask.bool()].abs().max() < 1e-5
+    assert (lp - b0.sampler_logprobs)[b0.loss_mask.bool()].abs().max() <= _bound(module, b0)
 
     with torch.no_grad():
         for p in module.policy.parameters():
@@ -282,7 +289,7 @@ def test_sampler_sync_interval_two(module):
         lp_policy, _ = module.token_logprobs(b1)
         lp_sampler, _ = module.token_logprobs(b1, model=dm._sampler)
     m = b1.loss_mask.bool()
-    assert (lp_sampler - b1.sampler_logprobs)[m].abs().max() < 1e-5  # recorded under the stale sampler
+    assert (lp_sampler - b1.sampler_logprobs)[m].abs().max() <= _bound(module, b1)  # recorded under the stale sampler
     assert (lp_policy - b1.sampler_logprobs)[m].abs().max() > 1e-3  # ... so the mismatch is real
 
     b2 = dm.rollout(dm.prompt_batch(2))  # step 2: two steps passed, synced before generating
@@ -290,7 +297,7 @@ def test_sampler_sync_interval_two(module):
     assert dm._sampler is not module.policy
     with torch.no_grad():
         lp2, _ = module.token_logprobs(b2)
-    assert (lp2 - b2.sampler_logprobs)[b2.loss_mask.bool()].abs().max() < 1e-5
+    assert (lp2 - b2.sampler_logprobs)[b2.loss_mask.bool()].abs().max() <= _bound(module, b2)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import torch
 
 from rl_lightning.models import load_policy
 from rl_lightning.rollout import HFGenerateEngine, KVCacheEngine
+from tests.tolerances import decoder_logprob_bound
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,9 @@ def test_engines_draw_the_same_tokens_and_logprobs(policy, greedy, temperature, 
     assert torch.equal(ours.mask, ref.mask)
     assert torch.equal(ours.response_ids, ref.response_ids)
     assert torch.equal(ours.truncated, ref.truncated)
-    assert (ours.logprobs - ref.logprobs).abs().max() < 1e-5
+    # the same model and tokens in other forward shapes: the float32 log-prob bound of this decoder
+    bound = decoder_logprob_bound(model, kwargs.get("temperature", 1.0), ids.shape[1] + kwargs["max_new_tokens"])
+    assert (ours.logprobs - ref.logprobs).abs().max() <= bound
     if not greedy:  # sampling really happened: rows with one prompt differ among themselves
         assert len({tuple(r) for r in ours.response_ids[0::4].tolist()}) > 1
 
@@ -86,7 +89,9 @@ def test_dropping_finished_rows_changes_no_token(name, temperature, compact_belo
     assert torch.equal(lean.response_ids, full.response_ids)
     assert torch.equal(lean.mask, full.mask)
     assert torch.equal(lean.truncated, full.truncated)
-    assert (lean.logprobs - full.logprobs).abs().max() < 1e-5
+    # the same model and tokens in other forward shapes: the float32 log-prob bound of this decoder
+    bound = decoder_logprob_bound(model, kwargs.get("temperature", 1.0), ids.shape[1] + kwargs["max_new_tokens"])
+    assert (lean.logprobs - full.logprobs).abs().max() <= bound
 
 
 @pytest.mark.parametrize("static_cache", [True, False])
@@ -139,7 +144,9 @@ def test_engines_agree_on_a_vocabulary_larger_than_generates_default_top_k(top_p
     torch.manual_seed(9)
     ref = HFGenerateEngine().generate(model, ids.masked_fill(mask == 0, 0), mask, **kwargs)
     assert torch.equal(ours.response_ids, ref.response_ids)
-    assert (ours.logprobs - ref.logprobs).abs().max() < 1e-5
+    # the same model and tokens in other forward shapes: the float32 log-prob bound of this decoder
+    bound = decoder_logprob_bound(model, kwargs.get("temperature", 1.0), ids.shape[1] + kwargs["max_new_tokens"])
+    assert (ours.logprobs - ref.logprobs).abs().max() <= bound
     # a near-uniform random model over 300 tokens: plenty of the drawn tokens are outside any top 50
     ranks = (model(input_ids=ids).logits[:, -1].argsort(-1, descending=True) == ours.response_ids[:, :1]).float()
     assert ranks.argmax(-1).max() >= 50
