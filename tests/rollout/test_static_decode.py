@@ -18,6 +18,7 @@ from transformers import (
 from rl_lightning.rollout import sample
 from rl_lightning.rollout.generation import _cache_argument, _returned_cache
 from rl_lightning.rollout.static_decode import StaticDecoder, supports, unsupported_reason
+from tests.tolerances import decoder_logprob_bound
 
 SMALL = dict(vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
              max_position_embeddings=64)
@@ -131,4 +132,5 @@ def test_sampling_with_the_static_cache_equals_the_general_loop(name):
     b = sample(model, ids, mask, generator=torch.Generator().manual_seed(4), static_cache=False, **kwargs)
     assert torch.equal(a.response_ids, b.response_ids)
     assert torch.equal(a.mask, b.mask)
-    assert (a.logprobs - b.logprobs).abs().max() < 1e-5
+    bound = decoder_logprob_bound(model, kwargs["temperature"], ids.shape[1] + kwargs["max_new_tokens"])
+    assert (a.logprobs - b.logprobs).abs().max() <= bound  # the same tokens, other kernels: fp32 rounding
