@@ -14,10 +14,10 @@ and a bf16 copy of the policy as the sampler, refreshed every step (``data.sampl
 
 Runs land in ``runs/mismatch/<method>_<setting>/version_N``; a run counts as done when its config has the seed
 and its ``last.ckpt`` reached ``max_steps``, and done runs are skipped, so rerunning resumes the study. The
-report is the section "Sampler/learner mismatch study" of docs/results.md (table of final held-out reward and of
-``train/sampler_logp_diff``, the mean over the run's steps of the token-mean |log q - log p| before each update)
-with the plot docs/results_mismatch.png; numbers come only from the logs. A notes file
-(experiments/results_notes_mismatch.md), when present, is appended.
+report is the section "Sampler/learner mismatch study" of experiments/studies/mismatch/README.md (table of final
+held-out reward and of ``train/sampler_logp_diff``, the mean over the run's steps of the token-mean
+|log q - log p| before each update) with the plot results_mismatch.png beside it; numbers come only from the logs.
+A notes file (experiments/studies/mismatch/results_notes_mismatch.md), when present, is appended.
 """
 
 from __future__ import annotations
@@ -214,9 +214,10 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (2 cores: at most 2)")
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--probe", action="store_true", help="only measure each setting's sampler_logp_diff")
-    parser.add_argument("--out", type=Path, default=REPO / "docs/results.md")
-    parser.add_argument("--plot", type=Path, default=REPO / "docs/results_mismatch.png")
-    parser.add_argument("--notes", type=Path, default=REPO / "experiments/results_notes_mismatch.md")
+    study = REPO / "experiments/studies/mismatch"
+    parser.add_argument("--out", type=Path, default=study / "README.md")
+    parser.add_argument("--plot", type=Path, default=study / "results_mismatch.png")
+    parser.add_argument("--notes", type=Path, default=study / "results_notes_mismatch.md")
     args = parser.parse_args()
     if args.probe:
         return probe()

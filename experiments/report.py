@@ -1,9 +1,11 @@
 """Read TensorBoard logs of finished runs and write the results table and plot.
 
-    python experiments/report.py runs/grpo/version_0 [more run dirs...] \
-        --out docs/results.md --plot docs/results_grpo.png
-    python experiments/report.py runs/grpo_arithmetic_hard/version_* ... --out docs/results.md \
-        --plot docs/results_arithmetic_hard.png --section "Harder single-turn setting: 3-digit addition"
+    python experiments/report.py runs/grpo/version_* ... --out experiments/studies/arithmetic/README.md \
+        --plot experiments/studies/arithmetic/results.png --section "Embedded default: 2-digit addition"
+    python experiments/report.py runs/grpo_arithmetic_hard/version_* ... \
+        --out experiments/studies/arithmetic_hard/README.md \
+        --plot experiments/studies/arithmetic_hard/results_arithmetic_hard.png \
+        --section "Harder single-turn setting: 3-digit addition"
 
 For each run directory (a TensorBoard ``log_dir`` holding ``events.out.tfevents.*`` and the ``config.yaml``
 that LightningCLI saves) it reports: method, seed, warm-start ``val/reward`` (step 0, before any update),
@@ -15,7 +17,8 @@ Without ``--section`` the report is the whole of ``--out``. With ``--section TIT
 of ``--out``, between ``<!-- report-section: TITLE -->`` and ``<!-- /report-section -->`` markers: a section of
 that title already there is replaced, otherwise it is appended, and the rest of the file is kept. A whole-file
 report keeps the marked sections of the file it replaces (after its own content), so rerunning one table never
-deletes another.
+deletes another. A study's README.md under experiments/studies/ is written by sections (``--section``), which
+keeps its title and introduction; experiments/run_methods.sh does that.
 """
 
 from __future__ import annotations
@@ -193,8 +196,10 @@ def write_plot(runs: list[Run], plot: Path, title: str | None = None) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", type=Path, help="TensorBoard log dirs of finished runs")
-    parser.add_argument("--out", type=Path, default=Path("docs/results.md"))
-    parser.add_argument("--plot", type=Path, default=Path("docs/results.png"))
+    parser.add_argument("--out", type=Path, required=True,
+                        help="the markdown file, e.g. experiments/studies/<study>/README.md")
+    parser.add_argument("--plot", type=Path, required=True,
+                        help="the plot, beside --out (the report links it by file name)")
     parser.add_argument("--command", default="rl-lightning fit --config configs/grpo.yaml",
                         help="the training command, quoted in the report")
     parser.add_argument("--notes", type=Path, help="a markdown file appended to the report (observations)")

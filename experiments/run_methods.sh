@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Train every listed method from the same warm start, on the same prompt stream and budget, for each seed,
-# then write docs/results.md and the plot from the TensorBoard logs.
+# then write the study's section of experiments/studies/<study>/README.md and its plot from the TensorBoard logs.
 #
 #   experiments/run_methods.sh "grpo pg reinforce rloo ppo trpo" "0 1 2"
 #
@@ -11,12 +11,19 @@
 #
 #   TASK=configs/tasks/arithmetic_hard.yaml experiments/run_methods.sh "grpo pg reinforce rloo ppo" "0 1 2"
 #
-# Its runs land in runs/<method>_<preset name>/version_N (e.g. runs/grpo_arithmetic_hard) and the report is
-# written as the section "$SECTION" (default: "Task preset <name>") of docs/results.md, with the plot in
-# docs/results_<preset name>.png; the rest of docs/results.md is kept, and a section of that title is replaced.
-# The 3-digit table of docs/results.md is the section SECTION="Harder single-turn setting: 3-digit addition"
-# (its notes: NOTES=experiments/results_notes_arithmetic_hard.md). SECTION (and PLOT, NOTES) also work without a
-# task preset: the table becomes that section of docs/results.md instead of the whole file.
+# Its runs land in runs/<method>_<preset name>/version_N (e.g. runs/grpo_arithmetic_hard).
+# The report goes into the folder experiments/studies/$STUDY/ (default: the preset's name, or "arithmetic" without a
+# preset) as the section "$SECTION" of its README.md (default: "Task preset <name>", or "Embedded default: 2-digit
+# addition" without a preset): a section of that title is replaced, the rest of the README is kept (a new README
+# starts with a title line). The plot is $PLOT (default results_<preset name>.png, or results.png) and the notes
+# appended to the section are $NOTES (default results_notes_<preset name>.md, or results_notes.md, when it exists);
+# a bare file name for either is taken inside the study folder, a path with a '/' as it is. So the 3-digit table,
+# with its plot results_arithmetic_hard.png and notes results_notes_arithmetic_hard.md, is rewritten by
+#
+#   TASK=configs/tasks/arithmetic_hard.yaml SECTION="Harder single-turn setting: 3-digit addition" \
+#     experiments/run_methods.sh "grpo pg reinforce rloo ppo" "0 1 2"
+#
+# and STUDY=trpo SECTION="..." PLOT=results_trpo.png writes into experiments/studies/trpo/ instead.
 # A method's tuned settings for a task, configs/tasks/<preset>_<method>.yaml (e.g. guess_ppo.yaml), are stacked
 # after the preset when they exist. Finished runs (seed and max_steps reached) are skipped: rerunning the script
 # resumes a table, and only the finished runs of the listed methods and seeds are reported.
@@ -34,7 +41,7 @@ if [ -n "$task" ]; then
   task_args=(--config "$task")
   command="TASK=$task $command"
 fi
-for var in NOTES HELDOUT PLOT SECTION; do  # the command that rewrites this very section, as it was run
+for var in NOTES HELDOUT PLOT SECTION STUDY; do  # the command that rewrites this very section, as it was run
   if [ -n "${!var:-}" ]; then command="$var=\"${!var}\" $command"; fi
 done
 # A run counts as done when its directory's config has the seed and its last.ckpt reached the config's max_steps;
@@ -63,12 +70,18 @@ for method in $methods; do
   done
 done
 # HELDOUT says what val/reward is measured on, in the header (default "500 fixed held-out prompts").
-if [ -z "$task" ] && [ -z "${SECTION:-}" ]; then
-  $bin/python experiments/report.py "${runs[@]}" --out docs/results.md --plot docs/results.png --command "$command"
-else
-  plot="docs/results${suffix}.png"
-  [ -n "${PLOT:-}" ] && plot="$PLOT"
-  $bin/python experiments/report.py "${runs[@]}" --out docs/results.md --plot "$plot" \
-    --section "${SECTION:-Task preset ${suffix#_}}" --command "$command" ${NOTES:+--notes "$NOTES"} \
-    ${HELDOUT:+--heldout "$HELDOUT"}
+study_dir="experiments/studies/${STUDY:-${suffix:+${suffix#_}}}"
+[ "$study_dir" = experiments/studies/ ] && study_dir=experiments/studies/arithmetic
+in_study() { case "$1" in */*) echo "$1" ;; *) echo "$study_dir/$1" ;; esac; }  # a bare file name: in the folder
+plot="$(in_study "${PLOT:-results${suffix}.png}")"
+notes="$(in_study "${NOTES:-results_notes${suffix}.md}")"
+if [ -z "${NOTES:-}" ] && [ ! -f "$notes" ]; then notes=""; fi
+section="${SECTION:-Task preset ${suffix#_}}"
+[ -z "$task" ] && [ -z "${SECTION:-}" ] && section="Embedded default: 2-digit addition"
+mkdir -p "$study_dir"
+if [ ! -f "$study_dir/README.md" ]; then
+  printf '# %s\n\nHeadline numbers of every study: [docs/results.md](../../../docs/results.md).\n\n' \
+    "$(basename "$study_dir")" >"$study_dir/README.md"
 fi
+$bin/python experiments/report.py "${runs[@]}" --out "$study_dir/README.md" --plot "$plot" \
+  --section "$section" --command "$command" ${notes:+--notes "$notes"} ${HELDOUT:+--heldout "$HELDOUT"}
