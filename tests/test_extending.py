@@ -13,6 +13,8 @@ from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
+
+from rl_lightning.algorithms import Advantages
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from rl_lightning.algorithms import LossTerm, PolicyOutput
@@ -126,7 +128,7 @@ def test_dr_grpo_advantages_and_weights_on_a_hand_batch():
     torch.testing.assert_close(weights, mask.float() / 20)
     # On-policy (ρ = 1): loss = -Σ w A = -(3 · 0.5 + 1 · (-0.5)) / 20 = -0.05.
     out = PolicyOutput(logprobs=batch.sampler_logprobs.clone())
-    loss, _ = module.policy_loss(batch, out, advantages.unsqueeze(-1), weights)
+    loss, _ = module.policy_loss(batch, out, Advantages(advantages.unsqueeze(-1)), weights)
     assert loss.item() == pytest.approx(-0.05)
 
 
@@ -147,9 +149,11 @@ def test_the_head_kl_example_adds_the_sampler_head_kl_from_the_same_forward():
     with torch.no_grad():
         for p in module.policy.parameters():  # the learner moves away from the sampler
             p.add_(0.1 * torch.randn_like(p))
-    advantages, weights = module.compute_advantages(batch).unsqueeze(-1), module.loss_weights(batch)
+    advantages, weights = Advantages(module.compute_advantages(batch).unsqueeze(-1)), module.loss_weights(batch)
     out = module.forward_policy(batch, extra_ids=module.extra_logprob_ids(batch))
-    loss, stats = module.policy_loss(batch, out, advantages, weights)
+    plain, _ = module.policy_loss(batch, out, advantages, weights)
+    (term, stats), = module.extra_losses(batch, out, advantages, weights)
+    loss = plain + term
     logits = module.policy(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                            position_ids=(batch.attention_mask.cumsum(-1) - 1).clamp(min=0)).logits
     logp = torch.log_softmax(logits[:, batch.prompt_length - 1:-1], dim=-1).gather(-1, batch.topk_ids)
@@ -165,11 +169,10 @@ def test_the_head_kl_example_adds_the_sampler_head_kl_from_the_same_forward():
     mass = float(0.5 * (q_log.exp().sum(-1) * batch.loss_mask * weights).sum())
     terms = float(0.5 * ((q_log.exp() * (q_log - logp).abs()).sum(-1) * batch.loss_mask * weights).sum())
     tol = mass * delta + 2 * gamma(batch.loss_mask.numel() * 4) * terms
-    assert abs(stats["train/head_kl_loss"].item() - want.item()) <= tol
-    plain, _ = super(head_kl.HeadKL, module).policy_loss(batch, out, advantages, weights)
+    assert abs(stats["train/head_kl_loss"].value.item() - want.item()) <= tol
     plain_size = float((out.logprobs.detach() * weights).abs().sum())  # the policy loss it is added to
     assert abs((loss - plain).item() - want.item()) <= tol + 2 * gamma(2) * (plain_size + terms)
-    assert not module._declares_zero_advantage_rows_inert()  # its KL term reaches zero-advantage rows too
+    assert module.inert_rows(batch, advantages) is None  # its KL term reaches zero-advantage rows too
 
 
 def test_the_countdown_environment_runs_as_multi_turn_episodes():

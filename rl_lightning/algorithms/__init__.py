@@ -1,9 +1,14 @@
 """One LightningModule per method; ``RLModule`` is the shared base."""
 
-from rl_lightning.algorithms.base import HeldoutObserver, LossTerm, NonFiniteLossError, PolicyOutput, RLModule
+from rl_lightning.algorithms.advantages import Advantages
+from rl_lightning.algorithms.base import NonFiniteLossError, RLModule
+from rl_lightning.algorithms.protocols import LossTerm
 from rl_lightning.algorithms.bpco import BPCO
 from rl_lightning.algorithms.cope import CoPE
-from rl_lightning.algorithms.critic import ActorCritic
+from rl_lightning.algorithms.critic import CriticLearner
+from rl_lightning.algorithms.evaluation import HeldoutEvaluation, HeldoutObserver
+from rl_lightning.algorithms.forward import PolicyOutput
+from rl_lightning.algorithms.metrics import Summed, TokenMean
 from rl_lightning.algorithms.easyppo import EasyPPO
 from rl_lightning.algorithms.flash_reinforce import FlashREINFORCE
 from rl_lightning.algorithms.grpo import GRPO
@@ -18,7 +23,7 @@ from rl_lightning.algorithms.stable_reinforce import StableReinforce
 from rl_lightning.algorithms.trpo import TRPO
 
 __all__ = [
-    "ActorCritic", "BPCO", "CoPE", "EasyPPO", "FlashREINFORCE", "GRPO", "PPO", "REINFORCE", "RLOO", "SAO", "SPO",
+    "Advantages", "BPCO", "CriticLearner", "HeldoutEvaluation", "Summed", "TokenMean", "CoPE", "EasyPPO", "FlashREINFORCE", "GRPO", "PPO", "REINFORCE", "RLOO", "SAO", "SPO",
     "ScoreCentering", "StableReinforce", "TRPO", "HeldoutObserver", "LossTerm", "NonFiniteLossError", "PolicyGradient",
     "PolicyOutput", "RLModule",
 ]

@@ -21,13 +21,17 @@ prompt; the policy never sees it).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import Tensor
 from typing_extensions import override
 
-from rl_lightning.algorithms.base import PolicyOutput, clip_metrics
+from rl_lightning.algorithms.advantages import Advantages
+from rl_lightning.algorithms.base import Metrics, PolicyOutput
+from rl_lightning.algorithms.critic import GAE_LAMBDA
+from rl_lightning.algorithms.metrics import clip_metrics
 from rl_lightning.algorithms.ppo import PPO
 from rl_lightning.functional import clip_statistics, divergence_clip_bounds, masked_whiten
 from rl_lightning.rollout.batch import RolloutBatch
@@ -60,23 +64,21 @@ class BPCO(PPO):
         self.alpha, self.divergence_eps = float(alpha), float(divergence_eps)
 
     @override
-    def compute_advantages(self, batch: RolloutBatch) -> Tensor:
-        advantages = self.length_adaptive_advantages(batch, self.alpha, self.gamma)
+    def compute_advantages(self, batch: RolloutBatch) -> Advantages:
+        adv = self.critic_learner.length_adaptive(batch, self.alpha, self.gamma)
         if self.whiten_advantages:  # opt-in; the spec's BPCO keeps raw advantages
-            advantages = masked_whiten(advantages, batch.loss_mask)
-        return advantages
+            adv = replace(adv, advantages=masked_whiten(adv.advantages, batch.loss_mask))
+        return adv
 
     @override
-    def policy_objective(self, batch: RolloutBatch, out: PolicyOutput,
-                         advantages: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-        mask = batch.loss_mask
-        old = batch.sampler_logprobs.detach()
-        ratio = torch.exp((out.logprobs - old) * mask)
+    def policy_objective(self, batch: RolloutBatch, out: PolicyOutput, ratio: Tensor,
+                         adv: Advantages) -> tuple[Tensor, Metrics]:
+        """``min(ρA, clip(ρ, 1 - ε/p, 1 + ε/p)A)`` with ``p = μ(a_t|s_t)`` (``divergence_clip_bounds``)."""
+        mask, old = batch.loss_mask, batch.sampler_logprobs.detach()
         low, high = divergence_clip_bounds(old, self.divergence_eps)  # [1 - ε/p, 1 + ε/p]
-        adv = advantages.detach()
-        objective = torch.minimum(ratio * adv, torch.clamp(ratio, low, high) * adv)
-        stats = clip_statistics(ratio, adv, mask, 1.0 - low, high - 1.0, out.logprobs, old)
-        metrics = clip_metrics(stats)
-        if "gae_lambda" in batch.extras:
-            metrics["train/lambda_mean"] = batch.extras["gae_lambda"].float().mean()
+        advantages = adv.advantages.detach()
+        objective = torch.minimum(ratio * advantages, torch.clamp(ratio, low, high) * advantages)
+        metrics = clip_metrics(clip_statistics(ratio, advantages, mask, 1.0 - low, high - 1.0, out.logprobs, old))
+        if GAE_LAMBDA in adv.rows:
+            metrics["train/lambda_mean"] = adv.rows[GAE_LAMBDA].float().mean()
         return objective, metrics

@@ -15,12 +15,14 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from rl_lightning.algorithms.base import PolicyOutput
+from rl_lightning.algorithms.advantages import Advantages
+from rl_lightning.algorithms.base import Metrics, PolicyOutput
+from rl_lightning.algorithms.metrics import Summed
 from rl_lightning.algorithms.grpo import GRPO
 from rl_lightning.functional import forecast_loss, forecast_pairs, forecast_weights
 from rl_lightning.rollout.batch import RolloutBatch
 
-#: ``batch.extras`` key of the per-row AF weights, fixed once per rollout batch in ``compute_advantages``
+#: ``Advantages.rows`` key of the per-row AF weights, fixed once per rollout batch in ``compute_advantages``
 WEIGHT_KEY = "forecast_weight"
 
 
@@ -38,7 +40,8 @@ class CoPE(GRPO):
         **kwargs: ``GRPO`` arguments (clipping, model, optimizer, aggregation, ...).
     """
 
-    summed_metrics = GRPO.summed_metrics | {"train/forecast_loss"}
+    #: the forecasting term is not zero on a zero-advantage row (a group that all succeeded)
+    zero_advantage_rows_are_inert = False
 
     def __init__(
         self,
@@ -71,34 +74,29 @@ class CoPE(GRPO):
         return ids
 
     @override
-    def compute_advantages(self, batch: RolloutBatch) -> Tensor:
-        """GRPO's advantages; also fixes the rows' AF weights (``forecast_weights``, ``E_x`` over every prompt of
-        every rank) in ``batch.extras``, so micro-batches, minibatches and devices only slice them."""
+    def compute_advantages(self, batch: RolloutBatch) -> Advantages:
+        """GRPO's advantages with the rows' AF weights (``forecast_weights``, ``E_x`` over every prompt of every
+        rank) in ``Advantages.rows``, so micro-batches, minibatches and devices only slice them."""
         if batch.turn_index is None and batch.obs_mask is not None:
             raise ValueError("CoPE: this multi-turn batch has no turn_index, so its actions are unknown; "
                              "produce it with rl_lightning.rollout.GroupRollout")
-        world = self.trainer.world_size if self._trainer is not None else 1
-        prompts = torch.tensor(float(batch.num_rows // batch.group_size), device=batch.rewards.device)
-        if world > 1:
-            prompts = self.trainer.strategy.reduce(prompts, reduce_op="sum")
+        prompts = self.ranks.sum(torch.tensor(float(batch.num_rows // batch.group_size), device=batch.rewards.device))
         weights = forecast_weights(batch.rewards, batch.group_size, self.success_threshold, float(prompts))
-        batch.extras[WEIGHT_KEY] = weights * world  # cancels DDP's gradient averaging, like loss_weights
-        return super().compute_advantages(batch)
+        weights = weights * self.ranks.world_size  # cancels DDP's gradient averaging, like loss_weights
+        return Advantages(super().compute_advantages(batch), rows={WEIGHT_KEY: weights})
 
     @override
-    def policy_loss(
-        self, batch: RolloutBatch, out: PolicyOutput, advantages: Tensor, weights: Tensor
-    ) -> tuple[Tensor, dict[str, Tensor]]:
-        loss, stats = super().policy_loss(batch, out, advantages, weights)
-        term = self.forecast_term(batch)
-        return loss + term, {**stats, "train/forecast_loss": term.detach()}
+    def extra_losses(self, batch: RolloutBatch, out: PolicyOutput, adv: Advantages,
+                     weights: Tensor) -> list[tuple[Tensor, Metrics]]:
+        term = self.forecast_term(batch, adv)
+        return [(term, {"train/forecast_loss": Summed(term.detach())})]
 
-    def forecast_term(self, batch: RolloutBatch) -> Tensor:
+    def forecast_term(self, batch: RolloutBatch, adv: Advantages) -> Tensor:
         """``η · Σ_{i in rows} w_i Σ_t -log p(a_{t:t+K} | h_t, instruction)`` of ``batch``'s rows (their share of
         ``η · E_x[L_AF,x]``), scaled by ``num_minibatches`` as the base scales the policy weights."""
-        if WEIGHT_KEY not in batch.extras:
-            raise RuntimeError(f"CoPE: batch.extras[{WEIGHT_KEY!r}] is missing; compute_advantages sets it")
-        row_weights = batch.extras[WEIGHT_KEY] * self.num_minibatches
+        if WEIGHT_KEY not in adv.rows:
+            raise RuntimeError(f"CoPE: Advantages.rows[{WEIGHT_KEY!r}] is missing; compute_advantages sets it")
+        row_weights = adv.rows[WEIGHT_KEY] * self.num_minibatches
         rows = (row_weights > 0).nonzero().flatten().tolist() if self.forecast_coef > 0 else []
         contexts, targets, owners = [], [], []
         for row in rows:

@@ -18,16 +18,17 @@ callback; ``configs/easyppo.yaml`` uses it.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from torch import Tensor
 from typing_extensions import override
 
+from rl_lightning.algorithms.advantages import Advantages
+from rl_lightning.algorithms.critic import VALUE_WEIGHTS
 from rl_lightning.algorithms.ppo import PPO
 from rl_lightning.functional import variance_weights
 from rl_lightning.rollout.batch import RolloutBatch
-
-_WEIGHTS = "easyppo_value_weights"  # batch.extras key of the rows' critic weights [N]
 
 
 class EasyPPO(PPO):
@@ -58,22 +59,17 @@ class EasyPPO(PPO):
         self.filter_truncated = filter_truncated
 
     @override
-    def compute_advantages(self, batch: RolloutBatch) -> Tensor:
-        advantages = super().compute_advantages(batch)  # GAE over every row: the critic's returns keep them all
-        batch.extras[_WEIGHTS] = variance_weights(batch.rewards.float(), batch.group_size, self.w_min,
-                                                  self.variance_beta)
+    def compute_advantages(self, batch: RolloutBatch) -> Advantages:
+        """PPO's GAE over every row (the critic's returns keep them all), ``C_i`` on the actor's advantages only, and
+        each row's ``w_x`` (``functional.variance_weights``) as the value loss's row weights."""
+        adv = super().compute_advantages(batch)
+        advantages = adv.advantages
         if self.filter_truncated:
             advantages = advantages * (~batch.truncated).to(advantages.dtype).unsqueeze(-1)  # C_i on the actor only
-        return advantages
+        weights = variance_weights(batch.rewards.float(), batch.group_size, self.w_min, self.variance_beta)
+        return replace(adv, advantages=advantages, rows={**adv.rows, VALUE_WEIGHTS: weights})
 
     @override
-    def update(self, batch: RolloutBatch, advantages: Tensor, weights: Tensor) -> dict[str, list[Tensor]]:
-        stats = super().update(batch, advantages, weights)
-        stats["train/kept_for_actor"] = [(~batch.truncated).float().mean()]
-        stats["train/value_weight_max"] = [batch.extras[_WEIGHTS].float().max()]
-        return stats
-
-    @override
-    def value_loss_weights(self, batch: RolloutBatch) -> Tensor | None:
-        """Each row's ``w_x`` (``functional.variance_weights``, fixed once per rollout batch)."""
-        return batch.extras[_WEIGHTS]
+    def after_update(self, batch: RolloutBatch, adv: Advantages) -> dict[str, list[Tensor]]:
+        return {"train/kept_for_actor": [(~batch.truncated).float().mean()],
+                "train/value_weight_max": [adv.rows[VALUE_WEIGHTS].float().max()]}

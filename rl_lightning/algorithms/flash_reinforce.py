@@ -20,7 +20,9 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from rl_lightning.algorithms.base import PolicyOutput
+from rl_lightning.algorithms.advantages import Advantages
+from rl_lightning.algorithms.base import Metrics, PolicyOutput
+from rl_lightning.algorithms.metrics import Summed, TokenMean
 from rl_lightning.algorithms.pg import PolicyGradient
 from rl_lightning.functional import (
     AggregationMode,
@@ -56,11 +58,6 @@ class FlashREINFORCE(PolicyGradient):
         **kwargs: ``RLModule`` arguments (model, optimizer, ``micro_batch_size``, ...).
     """
 
-    token_mean_metrics = PolicyGradient.token_mean_metrics | {"train/bernoulli_kl"}
-    # a row's aggregation weights sum to its share 1/B of the step, so gate x weights summed is a row fraction
-    summed_metrics = PolicyGradient.summed_metrics | {"train/trajectory_keep_fraction"}
-    #: ``-Σ w · m · sg(ρ) · A · log π``: a zero-advantage row adds exactly 0 with zero gradient, gated or not
-    zero_advantage_rows_are_inert = True
 
     def __init__(self, delta: float = 5e-3, loss_aggregation: AggregationMode = "seq_mean_token_mean",
                  **kwargs: Any) -> None:
@@ -85,27 +82,21 @@ class FlashREINFORCE(PolicyGradient):
     @override
     def compute_advantages(self, batch: RolloutBatch) -> Tensor:
         rewards = batch.rewards.float()
-        if self._trainer is None or self.trainer.world_size == 1:
+        if self.ranks.world_size == 1:
             return batch_centered_advantages(rewards)
-        totals = torch.stack([rewards.sum(), torch.tensor(float(rewards.numel()), device=rewards.device)])
-        totals = self.trainer.strategy.reduce(totals, reduce_op="sum")  # [Σ R, B] over every rank
-        return batch_centered_advantages(rewards, totals[0] / totals[1])
+        totals = self.ranks.sum(torch.stack([rewards.sum(), torch.tensor(float(rewards.numel()), device=rewards.device)]))
+        return batch_centered_advantages(rewards, totals[0] / totals[1])  # [Σ R, B] over every rank
 
     @override
-    def update(self, batch: RolloutBatch, advantages: Tensor, weights: Tensor) -> dict[str, list[Tensor]]:
-        """The base update; a zero-advantage row skipped unforwarded (``skip_inert_rows``) counts as kept in
-        ``train/trajectory_keep_fraction``: its gate is not measured, and could not change the update."""
-        stats = super().update(batch, advantages, weights)
-        if self.forwarded_rows is not None and not bool(self.forwarded_rows.all()):
-            share = (weights.sum(dim=1) * (~self.forwarded_rows).to(weights.dtype)).sum()  # one optimiser step
-            stats["train/trajectory_keep_fraction"] = [v + share for v in stats["train/trajectory_keep_fraction"]]
-        return stats
+    def inert_row_metrics(self, batch: RolloutBatch, rows: Tensor, weights: Tensor) -> dict[str, Tensor]:
+        """A zero-advantage row skipped unforwarded counts as kept: its gate is not measured, and could not change
+        the update (a row's aggregation weights sum to its share of the step)."""
+        return {"train/trajectory_keep_fraction": (weights.sum(dim=1) * rows.to(weights.dtype)).sum()}
 
     @override
-    def policy_loss(
-        self, batch: RolloutBatch, out: PolicyOutput, advantages: Tensor, weights: Tensor
-    ) -> tuple[Tensor, dict[str, Tensor]]:
-        mask = batch.loss_mask
+    def policy_loss(self, batch: RolloutBatch, out: PolicyOutput, adv: Advantages,
+                    weights: Tensor) -> tuple[Tensor, Metrics]:
+        mask, advantages = batch.loss_mask, adv.advantages
         learner = out.logprobs.detach().float()
         sampler = batch.sampler_logprobs.float()
         d = bernoulli_kl(sampler, learner)
@@ -114,10 +105,10 @@ class FlashREINFORCE(PolicyGradient):
         ratio = log_ratio.exp()
         gated = weights * gate.unsqueeze(-1)
         loss, stats = policy_gradient_loss(out.logprobs, advantages * ratio, mask, gated)
-        return loss, {
-            "train/trajectory_keep_fraction": (gate * weights.sum(dim=1)).sum(),
-            "train/bernoulli_kl": masked_mean(d, mask),
-            "train/ratio_mean": masked_mean(ratio, mask),
-            "train/advantage_mean": masked_mean(advantages.expand_as(ratio), mask),
-            "train/logprob_mean": stats.logprob_mean,
+        return loss, {  # a row's weights sum to its share of the step: gate x weights summed is a row fraction
+            "train/trajectory_keep_fraction": Summed((gate * weights.sum(dim=1)).sum()),
+            "train/bernoulli_kl": TokenMean(masked_mean(d, mask)),
+            "train/ratio_mean": TokenMean(masked_mean(ratio, mask)),
+            "train/advantage_mean": TokenMean(masked_mean(advantages.expand_as(ratio), mask)),
+            "train/logprob_mean": TokenMean(stats.logprob_mean),
         }

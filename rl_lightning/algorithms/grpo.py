@@ -12,9 +12,11 @@ from typing import Any
 from torch import Tensor
 from typing_extensions import override
 
-from rl_lightning.algorithms.base import PolicyOutput, RLModule, clip_metrics
+from rl_lightning.algorithms.advantages import Advantages
+from rl_lightning.algorithms.base import Metrics, PolicyOutput, RLModule
+from rl_lightning.algorithms.metrics import clip_metrics
 from rl_lightning.algorithms.pg import tis_weighted
-from rl_lightning.functional import clipped_policy_loss, group_advantages
+from rl_lightning.functional import clip_statistics, clipped_surrogate, group_advantages
 from rl_lightning.rollout.batch import RolloutBatch
 
 
@@ -36,10 +38,8 @@ class GRPO(RLModule):
 
     min_group_size = 2
     #: ``-Σ w · min(ρA, clip(ρ)A)``: a zero-advantage row (a group with no reward spread) adds exactly 0 with zero
-    #: gradient, so it is not forwarded (``RLModule.inert_rows``); a subclass overriding ``policy_loss`` (CoPE)
-    #: does not inherit this
+    #: gradient, so it is not forwarded (``RLModule.inert_rows``)
     zero_advantage_rows_are_inert = True
-    token_mean_metrics = RLModule.token_mean_metrics | {"train/tis_weight_mean", "train/tis_clip_fraction"}
 
     def __init__(
         self,
@@ -67,14 +67,18 @@ class GRPO(RLModule):
         return group_advantages(batch.rewards, batch.group_size, scale=self.scale_rewards, eps=self.std_eps)
 
     @override
-    def policy_loss(
-        self, batch: RolloutBatch, out: PolicyOutput, advantages: Tensor, weights: Tensor
-    ) -> tuple[Tensor, dict[str, Tensor]]:
-        old, tis = batch.sampler_logprobs, {}
+    def ratio_reference(self, batch: RolloutBatch, out: PolicyOutput) -> Tensor:
+        """π_old of the ratio: the sampler's log-probs, or with ``tis_cap`` the proximal policy's."""
+        return batch.sampler_logprobs if self.tis_cap is None else self.proximal_logprobs(batch, out)
+
+    @override
+    def policy_objective(self, batch: RolloutBatch, out: PolicyOutput, ratio: Tensor,
+                         adv: Advantages) -> tuple[Tensor, Metrics]:
+        """``min(ρA, clip(ρ, 1-ε_low, 1+ε_high)A)``, ``A`` times ``min(π_prox/μ, C)`` with ``tis_cap``."""
+        advantages, tis = adv.advantages, {}
         if self.tis_cap is not None:
-            old = self.proximal_logprobs(batch, out)
-            advantages, tis = tis_weighted(advantages, old, batch, self.tis_cap)
-        loss, stats = clipped_policy_loss(
-            out.logprobs, old, advantages, batch.loss_mask, weights, self.clip_eps_low, self.clip_eps_high,
-        )
-        return loss, {**tis, **clip_metrics(stats)}
+            advantages, tis = tis_weighted(advantages, self.proximal_logprobs(batch, out), batch, self.tis_cap)
+        stats = clip_statistics(ratio, advantages, batch.loss_mask, self.clip_eps_low, self.clip_eps_high,
+                                out.logprobs, self.ratio_reference(batch, out).detach())
+        objective = clipped_surrogate(ratio, advantages, self.clip_eps_low, self.clip_eps_high)
+        return objective, {**tis, **clip_metrics(stats)}

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from rl_lightning.algorithms.base import shared_prompt_forward
+from rl_lightning.algorithms.forward import shared_prompt_forward
 from rl_lightning.functional import masked_mean, sampling_log_softmax
 from rl_lightning.functional.trpo import conjugate_gradient, trust_region_scale
 from rl_lightning.rollout.batch import RolloutBatch
@@ -38,7 +38,7 @@ def vocab_logprobs(policy: nn.Module, batch: RolloutBatch) -> Tensor:
 def fisher_logits(policy: nn.Module, batch: RolloutBatch) -> Tensor:
     """``[N, T, V]`` float32 raw logits of the positions that predict the response tokens, carrying the graph:
     those of ``vocab_logprobs``'s forward (the same function of the weights, equal to rounding), with each
-    distinct prompt through the network once (``base.shared_prompt_forward``, whatever the module's
+    distinct prompt through the network once (``forward.shared_prompt_forward``, whatever the module's
     ``share_prompt_forward``: every position saved here is saved in each of the conjugate gradient's products).
 
     On ``configs/trpo.yaml`` (16 prompts x 8, 7 prompt + 4 response positions) that is 496 positions through

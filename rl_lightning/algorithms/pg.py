@@ -1,19 +1,28 @@
-"""Policy Gradient (spec 003, §1): ``L = -R_i Σ_t log π_θ(a_{i,t} | s_{i,t})``, averaged over responses.
+"""Policy Gradient (spec 003, §1): ``L = -R_i Σ_t log π_θ(a_{i,t} | s_{i,t})``, averaged over responses, and the
+baselines of spec 003 §2 (``L = -(R_i - b) log π_θ(o_i)``).
 
-The base of the REINFORCE family: ``REINFORCE`` (a baseline) and ``RLOO`` (a leave-one-out baseline)
-override only ``compute_advantages``.
+The base of the score-function family: ``REINFORCE`` (an EMA baseline by default), ``RLOO`` (a leave-one-out
+baseline), ``FlashREINFORCE``, ``ScoreCentering`` and ``StableReinforce`` (other losses on the same advantages).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
+
+import torch
 
 from torch import Tensor
 from typing_extensions import override
 
-from rl_lightning.algorithms.base import PolicyOutput, RLModule
-from rl_lightning.functional import AggregationMode, masked_mean, policy_gradient_loss, truncated_importance_weights
+from rl_lightning.algorithms.advantages import Advantages
+from rl_lightning.algorithms.base import Metrics, PolicyOutput, RLModule
+from rl_lightning.algorithms.metrics import TokenMean
+from rl_lightning.functional import (
+    AggregationMode, baseline_advantages, ema_update, masked_mean, policy_gradient_loss, truncated_importance_weights,
+)
 from rl_lightning.rollout.batch import RolloutBatch
+
+Baseline = Literal["batch_mean", "ema", "none"]
 
 
 class PolicyGradient(RLModule):
@@ -29,19 +38,28 @@ class PolicyGradient(RLModule):
             sampler): each token's advantage is multiplied by the detached ``min(π_θ / μ, C)`` with ``C =
             tis_cap`` (``functional.truncated_importance_weights``); ``None`` (default) leaves the loss as the spec
             writes it. Logged: ``train/tis_weight_mean``, ``train/tis_clip_fraction`` (tokens with ``π/μ > C``).
+        baseline: ``none`` (default: the spec's ``A_i = R_i``); ``batch_mean`` -- the mean reward of the current
+            rollout batch over all ranks (it includes the response's own reward, a small bias that RLOO removes);
+            ``ema`` -- an exponential moving average of the mean rewards of *earlier* batches (independent of the
+            current samples; the first batch, with no history, uses its own mean). The EMA is a buffer, so it is
+            saved in checkpoints and restored on resume.
+        ema_decay: decay of the ``ema`` baseline (0.9 keeps about the last 10 batches).
         **kwargs: ``RLModule`` arguments (model, optimizer, minibatches, ...).
     """
 
     #: ``-Σ w · A · log π``: a zero-advantage row adds exactly 0 with zero gradient (``RLModule.inert_rows``)
     zero_advantage_rows_are_inert = True
-    token_mean_metrics = RLModule.token_mean_metrics | {"train/tis_weight_mean", "train/tis_clip_fraction"}
 
     def __init__(self, loss_aggregation: AggregationMode = "seq_mean_token_sum", tis_cap: float | None = None,
-                 **kwargs: Any) -> None:
+                 baseline: Baseline = "none", ema_decay: float = 0.9, **kwargs: Any) -> None:
         super().__init__(loss_aggregation=loss_aggregation, **kwargs)
         if tis_cap is not None and not tis_cap > 0:
             raise ValueError(f"{type(self).__name__}: tis_cap must be > 0 or null, got {tis_cap}")
-        self.tis_cap = tis_cap
+        if not 0.0 <= ema_decay < 1.0:
+            raise ValueError(f"{type(self).__name__}: ema_decay must be in [0, 1), got {ema_decay}")
+        self.tis_cap, self.baseline, self.ema_decay = tis_cap, baseline, ema_decay
+        self.register_buffer("reward_ema", torch.zeros(()))
+        self.register_buffer("reward_ema_initialised", torch.zeros((), dtype=torch.bool))
         if self.num_iterations != 1:
             raise ValueError(
                 f"{type(self).__name__} is an on-policy estimator: num_iterations must be 1, got "
@@ -50,19 +68,34 @@ class PolicyGradient(RLModule):
 
     @override
     def compute_advantages(self, batch: RolloutBatch) -> Tensor:
-        return batch.rewards  # A_i = R_i
+        """``A_i = R_i - b`` with the configured baseline ``b`` (``none``: ``A_i = R_i``)."""
+        if self.baseline == "none":
+            return batch.rewards
+        mean = self.ranks.mean(batch.rewards.float().mean())
+        if self.baseline == "batch_mean":
+            return baseline_advantages(batch.rewards, mean)
+        if not bool(self.reward_ema_initialised):
+            self.reward_ema.fill_(mean)
+            self.reward_ema_initialised.fill_(True)
+        advantages = baseline_advantages(batch.rewards, self.reward_ema.clone())  # b from earlier batches
+        self.reward_ema.copy_(ema_update(self.reward_ema, mean, self.ema_decay))  # then fold this batch in
+        return advantages
 
     @override
-    def policy_loss(
-        self, batch: RolloutBatch, out: PolicyOutput, advantages: Tensor, weights: Tensor
-    ) -> tuple[Tensor, dict[str, Tensor]]:
-        advantages, tis = tis_weighted(advantages, out.logprobs, batch, self.tis_cap)
+    def policy_loss(self, batch: RolloutBatch, out: PolicyOutput, adv: Advantages,
+                    weights: Tensor) -> tuple[Tensor, Metrics]:
+        advantages, tis = tis_weighted(adv.advantages, out.logprobs, batch, self.tis_cap)
         loss, stats = policy_gradient_loss(out.logprobs, advantages, batch.loss_mask, weights)
-        return loss, {**tis, "train/logprob_mean": stats.logprob_mean, "train/advantage_mean": stats.advantage_mean}
+        return loss, {**tis, **score_metrics(stats)}
+
+
+def score_metrics(stats: Any) -> Metrics:
+    """The token means of a score-function loss's stats (``logprob_mean``, ``advantage_mean``)."""
+    return {"train/logprob_mean": TokenMean(stats.logprob_mean), "train/advantage_mean": TokenMean(stats.advantage_mean)}
 
 
 def tis_weighted(advantages: Tensor, logprobs: Tensor, batch: RolloutBatch,
-                 cap: float | None) -> tuple[Tensor, dict[str, Tensor]]:
+                 cap: float | None) -> tuple[Tensor, Metrics]:
     """``(advantages x min(π/μ, C), metrics)`` for truncated importance sampling, ``(advantages, {})`` without a
     cap. ``logprobs`` are the learner's (π; detached here), ``batch.sampler_logprobs`` μ's; shared by every
     method with a ``tis_cap`` (PolicyGradient's family, GRPO against its proximal policy)."""
@@ -71,5 +104,5 @@ def tis_weighted(advantages: Tensor, logprobs: Tensor, batch: RolloutBatch,
     mask = batch.loss_mask
     weight = truncated_importance_weights(logprobs, batch.sampler_logprobs, cap)
     raw = (logprobs.detach().float() - batch.sampler_logprobs.float()).exp()
-    return advantages * weight, {"train/tis_weight_mean": masked_mean(weight, mask),
-                                 "train/tis_clip_fraction": masked_mean((raw > cap).float(), mask)}
+    return advantages * weight, {"train/tis_weight_mean": TokenMean(masked_mean(weight, mask)),
+                                 "train/tis_clip_fraction": TokenMean(masked_mean((raw > cap).float(), mask))}

@@ -4,27 +4,28 @@
 
 with per-token ``Â`` from ``gae`` over the critic's values at rollout time (outcome reward on the last
 generated token, ``V = 0`` after it), ``R = Â + V_old``, ``num_iterations`` epochs × ``num_minibatches``.
-The critic and its schedule are ``ActorCritic``'s; the per-token policy objective is the narrow hook
-``policy_objective`` (a method that changes only the surrogate -- a divergence clip, a token mask --
-overrides that alone).
+The critic and its schedule are a ``CriticLearner`` the method holds; the per-token surrogate is the narrow hook
+``policy_objective`` (a method that changes only the surrogate -- a divergence clip, a token mask -- overrides
+that alone); the value loss and the entropy bonus are its ``extra_losses``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
-from torch import Tensor
+from torch import Tensor, nn
 from typing_extensions import override
 
-from rl_lightning.algorithms.base import PolicyOutput, clip_metrics
-from rl_lightning.algorithms.critic import ActorCritic
+from rl_lightning.algorithms.advantages import Advantages
+from rl_lightning.algorithms.base import Metrics, PolicyOutput, RLModule
+from rl_lightning.algorithms.critic import CriticLearner
+from rl_lightning.algorithms.metrics import Summed, clip_metrics
 from rl_lightning.functional import AggregationMode, aggregate, clip_statistics, clipped_surrogate
 from rl_lightning.models.value import CriticMode
 from rl_lightning.rollout.batch import RolloutBatch
 
 
-class PPO(ActorCritic):
+class PPO(RLModule):
     """Proximal Policy Optimization with a value model.
 
     Args:
@@ -40,31 +41,28 @@ class PPO(ActorCritic):
         entropy_coef: weight of the entropy bonus (0 disables it).
         whiten_advantages: normalise advantages to mean 0, std 1 over the batch's generated tokens.
         loss_aggregation: token aggregation of all three terms (default ``token_mean``).
-        **kwargs: ``ActorCritic`` arguments (``value_bounds``, ``critic_updates``, ``critic_minibatches``,
-            ``critic_max_grad_norm``) and ``RLModule``'s; ``num_iterations`` is the number of PPO epochs.
+        value_bounds, critic_updates, critic_minibatches, critic_max_grad_norm, critic_reference: the critic's
+            (``CriticLearner``: a bounded head, critic-only passes before the actor update, their minibatches
+            and clip, a reference text only the critic reads).
+        **kwargs: ``RLModule`` arguments; ``num_iterations`` is the number of PPO epochs.
 
     Truncated responses are treated as terminal (``V = 0`` after the last token); their reward is the
     verifier's score of the truncated text.
     """
 
     def __init__(
-        self,
-        critic: CriticMode = "shared",
-        critic_model_name_or_path: str | None = None,
-        critic_lr: float | None = None,
-        gamma: float = 1.0,
-        lam: float = 0.95,
-        clip_eps_low: float = 0.2,
-        clip_eps_high: float = 0.2,
-        value_clip: float | None = 0.2,
-        vf_coef: float = 0.5,
-        entropy_coef: float = 0.0,
-        whiten_advantages: bool = True,
-        loss_aggregation: AggregationMode = "token_mean",
-        **kwargs: Any,
+        self, critic: CriticMode = "shared", critic_model_name_or_path: str | None = None,
+        critic_lr: float | None = None, gamma: float = 1.0, lam: float = 0.95, clip_eps_low: float = 0.2,
+        clip_eps_high: float = 0.2, value_clip: float | None = 0.2, vf_coef: float = 0.5, entropy_coef: float = 0.0,
+        whiten_advantages: bool = True, loss_aggregation: AggregationMode = "token_mean",
+        value_bounds: tuple[float, float] | None = None, critic_updates: int = 0, critic_minibatches: int = 1,
+        critic_max_grad_norm: float | None = None, critic_reference: str | None = None, **kwargs: Any,
     ) -> None:
-        super().__init__(critic=critic, critic_model_name_or_path=critic_model_name_or_path, critic_lr=critic_lr,
-                         value_clip=value_clip, loss_aggregation=loss_aggregation, **kwargs)
+        super().__init__(loss_aggregation=loss_aggregation, **kwargs)
+        self.critic_learner = CriticLearner(self, critic, critic_model_name_or_path, critic_lr, value_bounds,
+                                            value_clip, critic_updates, critic_minibatches, critic_max_grad_norm,
+                                            critic_reference)
+        self.needs_hidden = self.critic_learner.reads_policy_hidden
         checks = {"gamma": 0.0 <= gamma <= 1.0, "lam": 0.0 <= lam <= 1.0, "clip_eps_low": 0 <= clip_eps_low < 1,
                   "clip_eps_high": clip_eps_high >= 0, "vf_coef": vf_coef >= 0, "entropy_coef": entropy_coef >= 0}
         for name, ok in checks.items():
@@ -76,43 +74,47 @@ class PPO(ActorCritic):
         self.whiten_advantages = whiten_advantages
         self.needs_entropy = entropy_coef > 0
 
+    @override
+    def parameter_groups(self) -> list[dict[str, Any]]:
+        groups = super().parameter_groups()
+        groups[0].setdefault("name", "policy")  # names give the logged rates theirs: train/lr, train/lr_critic
+        return [*groups, self.critic_learner.parameter_group()]
+
+    @override
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [*self.policy.parameters(), *self.critic_learner.parameters()]
+
     # ------------------------------------------------------------------ hooks
     @override
-    def compute_advantages(self, batch: RolloutBatch) -> Tensor:
-        return self.gae_advantages(batch, self.gamma, self.lam, self.whiten_advantages)
+    def compute_advantages(self, batch: RolloutBatch) -> Advantages:
+        return self.critic_learner.gae(batch, self.gamma, self.lam, self.whiten_advantages)
 
     @override
-    def update(self, batch: RolloutBatch, advantages: Tensor, weights: Tensor) -> dict[str, list[Tensor]]:
-        stats = self.critic_metrics(batch)
-        if self.critic_updates:  # the critic's own passes first, on the returns fixed at rollout time
-            stats.update(self.fit_critic(batch, weights, self.optimizers()))
-        return {**stats, **super().update(batch, advantages, weights)}
+    def before_update(self, batch: RolloutBatch, adv: Advantages, weights: Tensor) -> dict[str, list[Tensor]]:
+        """``train/explained_variance``, then the critic's own passes on the returns fixed at rollout time."""
+        stats = self.critic_learner.metrics(batch, adv)
+        if self.critic_learner.updates:
+            stats.update(self.critic_learner.fit(batch, adv, weights, self.optimizers()))
+        return stats
 
-    def policy_objective(self, batch: RolloutBatch, out: PolicyOutput,
-                         advantages: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-        """``[n, T]`` the per-token policy objective to maximise (aggregated by ``policy_loss``) and its
-        token-mean metrics. PPO: ``min(ρA, clip(ρ, 1-ε_low, 1+ε_high)A)`` with ``ρ = π_θ / π_old`` (the sampler's
-        recorded log-probs)."""
-        mask = batch.loss_mask
+    @override
+    def policy_objective(self, batch: RolloutBatch, out: PolicyOutput, ratio: Tensor,
+                         adv: Advantages) -> tuple[Tensor, Metrics]:
+        """``min(ρA, clip(ρ, 1-ε_low, 1+ε_high)A)`` with ``ρ = π_θ / π_old`` (the sampler's recorded log-probs)."""
         old = batch.sampler_logprobs.detach()
-        ratio = torch.exp((out.logprobs - old) * mask)  # zero log-ratio on padding: exp() stays finite
-        stats = clip_statistics(ratio, advantages, mask, self.clip_eps_low, self.clip_eps_high, out.logprobs, old)
-        return clipped_surrogate(ratio, advantages, self.clip_eps_low, self.clip_eps_high), clip_metrics(stats)
+        stats = clip_statistics(ratio, adv.advantages, batch.loss_mask, self.clip_eps_low, self.clip_eps_high,
+                                out.logprobs, old)
+        return clipped_surrogate(ratio, adv.advantages, self.clip_eps_low, self.clip_eps_high), clip_metrics(stats)
 
     @override
-    def policy_loss(
-        self, batch: RolloutBatch, out: PolicyOutput, advantages: Tensor, weights: Tensor
-    ) -> tuple[Tensor, dict[str, Tensor]]:
-        objective, metrics = self.policy_objective(batch, out, advantages)
-        pg_loss = -aggregate(objective * batch.loss_mask, weights)
-        loss = pg_loss
-        metrics = {"train/policy_loss": pg_loss.detach(), **metrics}
-        if self.critic_updates == 0:  # the joint update: the value loss rides on the policy's backward
-            v_loss, v_metrics = self.value_loss(batch, self.critic_values(batch, out), weights)
-            loss = loss + self.vf_coef * v_loss
-            metrics.update(v_metrics)
+    def extra_losses(self, batch: RolloutBatch, out: PolicyOutput, adv: Advantages,
+                     weights: Tensor) -> list[tuple[Tensor, Metrics]]:
+        """``c_v`` x the value loss (in the joint update, ``critic_updates: 0``) and ``-c_H`` x the entropy bonus."""
+        terms = []
+        if self.critic_learner.updates == 0:  # the joint update: the value loss rides on the policy's backward
+            v_loss, v_metrics = self.critic_learner.loss(batch, self.critic_learner.values(batch, out), adv, weights)
+            terms.append((self.vf_coef * v_loss, v_metrics))
         if self.entropy_coef > 0:
             entropy = aggregate(out.entropy, weights)
-            loss = loss - self.entropy_coef * entropy
-            metrics["train/entropy_bonus"] = entropy.detach()
-        return loss, metrics
+            terms.append((-(self.entropy_coef * entropy), {"train/entropy_bonus": Summed(entropy.detach())}))
+        return terms

@@ -24,7 +24,10 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from rl_lightning.algorithms.base import PolicyOutput
+from rl_lightning.algorithms.advantages import Advantages
+from rl_lightning.algorithms.base import Metrics, PolicyOutput
+from rl_lightning.algorithms.critic import GAE_LAMBDA
+from rl_lightning.algorithms.metrics import TokenMean
 from rl_lightning.algorithms.ppo import PPO
 from rl_lightning.functional import band_mask_weights, masked_mean
 from rl_lightning.rollout.batch import RolloutBatch
@@ -44,8 +47,6 @@ class SAO(PPO):
     Logs ``train/band_fraction`` (tokens inside the band) and ``train/lambda_mean``.
     """
 
-    token_mean_metrics = PPO.token_mean_metrics | {"train/band_fraction"}
-
     def __init__(self, band_low: float = 0.3, band_high: float = 5.0, alpha: float = 1.5, critic_updates: int = 2,
                  whiten_advantages: bool = False, **kwargs: Any) -> None:
         super().__init__(critic_updates=critic_updates, whiten_advantages=whiten_advantages, **kwargs)
@@ -55,18 +56,18 @@ class SAO(PPO):
         self.band_low, self.band_high, self.alpha = float(band_low), float(band_high), float(alpha)
 
     @override
-    def compute_advantages(self, batch: RolloutBatch) -> Tensor:
-        return self.length_adaptive_advantages(batch, self.alpha, self.gamma)
+    def compute_advantages(self, batch: RolloutBatch) -> Advantages:
+        return self.critic_learner.length_adaptive(batch, self.alpha, self.gamma)
 
     @override
-    def policy_objective(self, batch: RolloutBatch, out: PolicyOutput,
-                         advantages: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    def policy_objective(self, batch: RolloutBatch, out: PolicyOutput, ratio: Tensor,
+                         adv: Advantages) -> tuple[Tensor, Metrics]:
+        """``w_t A_t`` with ``w_t = ρ_t 1[1 - ε_ℓ < ρ_t < 1 + ε_h]`` (``band_mask_weights``)."""
         mask = batch.loss_mask
-        ratio = torch.exp((out.logprobs - batch.sampler_logprobs.detach()) * mask)
         weights = band_mask_weights(ratio, self.band_low, self.band_high)
         inside = (weights != 0).float()
-        metrics = {"train/band_fraction": masked_mean(inside, mask),
-                   "train/ratio_mean": masked_mean(ratio.detach(), mask)}
-        if "gae_lambda" in batch.extras:
-            metrics["train/lambda_mean"] = batch.extras["gae_lambda"].float().mean()
-        return weights * advantages.detach(), metrics
+        metrics: Metrics = {"train/band_fraction": TokenMean(masked_mean(inside, mask)),
+                            "train/ratio_mean": TokenMean(masked_mean(ratio.detach(), mask))}
+        if GAE_LAMBDA in adv.rows:
+            metrics["train/lambda_mean"] = adv.rows[GAE_LAMBDA].float().mean()
+        return weights * adv.advantages.detach(), metrics

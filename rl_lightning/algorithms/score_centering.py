@@ -19,35 +19,35 @@ from typing import Any
 from torch import Tensor
 from typing_extensions import override
 
-from rl_lightning.algorithms.base import PolicyOutput
-from rl_lightning.algorithms.reinforce import REINFORCE
+from rl_lightning.algorithms.advantages import Advantages
+from rl_lightning.algorithms.base import Metrics, PolicyOutput
+from rl_lightning.algorithms.metrics import TokenMean
+from rl_lightning.algorithms.pg import Baseline, PolicyGradient, score_metrics
 from rl_lightning.functional import head_mass, masked_mean, score_centered_loss, tail_ratio
 from rl_lightning.functional.centering import TAIL_EPS
 from rl_lightning.rollout.batch import RolloutBatch
 
 
-class ScoreCentering(REINFORCE):
+class ScoreCentering(PolicyGradient):
     """REINFORCE with top-k score centering (needs ``data.record_topk >= 1``; ``min(8, V)`` on a tiny vocabulary).
 
     The reference implementations use it with a REINFORCE loss only (not combinable with PPO-style clipping), so
-    this is a ``REINFORCE`` subclass: ``baseline``, ``ema_decay`` and ``loss_aggregation`` mean what they mean
-    there. Logged besides REINFORCE's metrics: ``train/head_mass`` (token mean of ``Σ_H q``, how much of the
+    it is a ``PolicyGradient`` with REINFORCE's default EMA baseline: ``baseline``, ``ema_decay`` and
+    ``loss_aggregation`` mean what they mean there. Logged besides REINFORCE's metrics: ``train/head_mass`` (token mean of ``Σ_H q``, how much of the
     sampler the head covers) and ``train/tail_ratio`` (token mean of ``ρ``; 1 on-policy).
 
     Args:
         importance_cap: ``None``: ``w ≡ 1`` (the plain correction); ``C > 0``: the importance-weighted variant with
             ``w = min(p/q, C)`` (truncated importance sampling, centred).
         tail_eps: the clamp of ``1 - Σ_H q`` and ``1 - Σ_H p`` in the tail ratio.
-        **kwargs: ``REINFORCE`` arguments (``tis_cap`` is refused: use ``importance_cap``, which centres the
+        **kwargs: ``PolicyGradient`` arguments (``tis_cap`` is refused: use ``importance_cap``, which centres the
             weighted score).
     """
 
-    token_mean_metrics = REINFORCE.token_mean_metrics | {"train/head_mass", "train/tail_ratio"}
-    #: ``-Σ w · A · [...]``: a zero-advantage row adds exactly 0 with zero gradient
-    zero_advantage_rows_are_inert = True
 
-    def __init__(self, importance_cap: float | None = None, tail_eps: float = TAIL_EPS, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+    def __init__(self, importance_cap: float | None = None, tail_eps: float = TAIL_EPS, baseline: Baseline = "ema",
+                 **kwargs: Any) -> None:
+        super().__init__(baseline=baseline, **kwargs)
         if importance_cap is not None and not importance_cap > 0:
             raise ValueError(f"ScoreCentering: importance_cap must be > 0 or null, got {importance_cap}")
         if not tail_eps > 0:
@@ -67,9 +67,9 @@ class ScoreCentering(REINFORCE):
         return batch.topk_ids
 
     @override
-    def policy_loss(
-        self, batch: RolloutBatch, out: PolicyOutput, advantages: Tensor, weights: Tensor
-    ) -> tuple[Tensor, dict[str, Tensor]]:
+    def policy_loss(self, batch: RolloutBatch, out: PolicyOutput, adv: Advantages,
+                    weights: Tensor) -> tuple[Tensor, Metrics]:
+        advantages = adv.advantages
         if batch.topk_logprobs is None or out.extra_logprobs is None:
             raise RuntimeError("ScoreCentering: the batch has no recorded top-k (data.init_args.record_topk)")
         loss, stats = score_centered_loss(
@@ -78,7 +78,6 @@ class ScoreCentering(REINFORCE):
         )
         rho = tail_ratio(out.extra_logprobs, batch.topk_logprobs, self.tail_eps)
         return loss, {
-            "train/logprob_mean": stats.logprob_mean, "train/advantage_mean": stats.advantage_mean,
-            "train/head_mass": head_mass(batch.topk_logprobs, batch.loss_mask),
-            "train/tail_ratio": masked_mean(rho, batch.loss_mask),
+            **score_metrics(stats), "train/head_mass": TokenMean(head_mass(batch.topk_logprobs, batch.loss_mask)),
+            "train/tail_ratio": TokenMean(masked_mean(rho, batch.loss_mask)),
         }

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
+from rl_lightning.algorithms.advantages import Advantages
 from rl_lightning.algorithms.grpo import GRPO
 from rl_lightning.envs.base import Prompt
 from rl_lightning.functional import (
@@ -96,18 +97,15 @@ class SPO(GRPO):
                              f" and max {float(rewards.max())} (data.init_args.reward_fn)")
         raw = rewards - self.values(batch.prompt_id.tolist()).to(rewards.device)  # before this step's outcomes
         sums = torch.stack([raw.sum(), (raw * raw).sum(), raw.new_tensor(float(raw.numel()))])
-        if self._trainer is not None and self.trainer.world_size > 1:
-            sums = self.trainer.strategy.reduce(sums, reduce_op="sum")
+        sums = self.ranks.sum(sums)
         count = float(sums[2])
         mean = sums[0] / count
         std = ((sums[1] - count * mean * mean).clamp(min=0) / (count - 1)).sqrt() if count > 1 else mean.new_zeros(())
         return normalized_advantages(raw, mean, std, self.adv_eps).to(batch.rewards.dtype)
 
     @override
-    def update(self, batch: RolloutBatch, advantages: Tensor, weights: Tensor) -> dict[str, list[Tensor]]:
-        stats = super().update(batch, advantages, weights)
-        stats.update(self.update_tracker(batch))
-        return stats
+    def after_update(self, batch: RolloutBatch, adv: Advantages) -> dict[str, list[Tensor]]:
+        return self.update_tracker(batch)
 
     @staticmethod
     def _stored_rows(batch: RolloutBatch) -> list[tuple[list[int], list[int], list[int]]]:
@@ -149,7 +147,7 @@ class SPO(GRPO):
         scored = self._score(rows, batch.temperature)
         mine = [(u, float(r), d, (*row, lp)) for u, r, d, row, lp in
                 zip(uids, batch.rewards.tolist(), divergence, rows, scored)]
-        records = [rec for rank_records in self.all_gather_objects(mine) for rec in rank_records]
+        records = [rec for rank_records in self.ranks.gather_objects(mine) for rec in rank_records]
         rhos, seen = [], []
         for uid, reward, d, stored in records:  # in rank order: the same state on every rank
             seen.append(uid in self.tracker)

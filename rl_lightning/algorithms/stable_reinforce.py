@@ -17,28 +17,27 @@ from typing import Any
 from torch import Tensor
 from typing_extensions import override
 
-from rl_lightning.algorithms.base import PolicyOutput
-from rl_lightning.algorithms.reinforce import REINFORCE
+from rl_lightning.algorithms.advantages import Advantages
+from rl_lightning.algorithms.base import Metrics, PolicyOutput
+from rl_lightning.algorithms.pg import Baseline, PolicyGradient, score_metrics
 from rl_lightning.functional import mc_centered_loss
 from rl_lightning.rollout.batch import RolloutBatch
 
 
-class StableReinforce(REINFORCE):
+class StableReinforce(PolicyGradient):
     """REINFORCE centred by the learner's mean score at ``K`` auxiliary sampler draws (needs
     ``data.record_aux_draws >= 1``).
 
-    ``baseline``, ``ema_decay`` and ``loss_aggregation`` are REINFORCE's. The learner's log-probs at the draws
+    ``baseline`` (REINFORCE's EMA by default), ``ema_decay`` and ``loss_aggregation`` are ``PolicyGradient``'s. The learner's log-probs at the draws
     come from the same forward as the sampled tokens' (``RLModule.extra_logprob_ids``).
 
     Args:
-        **kwargs: ``REINFORCE`` arguments (``tis_cap`` is refused: the centring would not see the weights).
+        **kwargs: ``PolicyGradient`` arguments (``tis_cap`` is refused: the centring would not see the weights).
     """
 
-    #: ``-Σ w · A · [...]``: a zero-advantage row adds exactly 0 with zero gradient
-    zero_advantage_rows_are_inert = True
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+    def __init__(self, baseline: Baseline = "ema", **kwargs: Any) -> None:
+        super().__init__(baseline=baseline, **kwargs)
         if self.tis_cap is not None:
             raise ValueError("StableReinforce: tis_cap is not supported (the Monte-Carlo centring is unweighted)")
 
@@ -51,10 +50,10 @@ class StableReinforce(REINFORCE):
         return batch.aux_ids
 
     @override
-    def policy_loss(
-        self, batch: RolloutBatch, out: PolicyOutput, advantages: Tensor, weights: Tensor
-    ) -> tuple[Tensor, dict[str, Tensor]]:
+    def policy_loss(self, batch: RolloutBatch, out: PolicyOutput, adv: Advantages,
+                    weights: Tensor) -> tuple[Tensor, Metrics]:
+        advantages = adv.advantages
         if batch.aux_ids is None or out.extra_logprobs is None:
             raise RuntimeError("StableReinforce: the batch has no auxiliary draws (data.init_args.record_aux_draws)")
         loss, stats = mc_centered_loss(out.logprobs, out.extra_logprobs, advantages, batch.loss_mask, weights)
-        return loss, {"train/logprob_mean": stats.logprob_mean, "train/advantage_mean": stats.advantage_mean}
+        return loss, score_metrics(stats)

@@ -33,8 +33,9 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
-from rl_lightning.algorithms.base import NonFiniteLossError, PolicyOutput
-from rl_lightning.algorithms.critic import ActorCritic
+from rl_lightning.algorithms.advantages import Advantages
+from rl_lightning.algorithms.base import Metrics, NonFiniteLossError, PolicyOutput, RLModule
+from rl_lightning.algorithms.critic import CriticLearner
 from rl_lightning.algorithms.natural_gradient import (
     apply_step, fisher_logits, step_metrics, trust_region_step, vocab_logprobs,
 )
@@ -49,7 +50,7 @@ AdvantageEstimator = Literal["group", "gae"]
 FisherProduct = Literal["gauss_newton", "double_backward"]
 
 
-class TRPO(ActorCritic):
+class TRPO(RLModule):
     """Trust Region Policy Optimization.
 
     Args:
@@ -110,9 +111,10 @@ class TRPO(ActorCritic):
     ) -> None:
         if not (isinstance(critic_steps, int) and critic_steps >= 1):
             raise ValueError(f"TRPO: critic_steps must be >= 1, got {critic_steps!r}")
-        super().__init__(critic=critic if advantage_estimator == "gae" else None,
-                         critic_model_name_or_path=critic_model_name_or_path, critic_lr=critic_lr, value_clip=None,
-                         critic_updates=critic_steps, **kwargs)
+        super().__init__(**kwargs)
+        #: the critic, only with ``advantage_estimator: gae`` (fitted by Adam on ½ (V - R)² before the policy step)
+        self.critic_learner = CriticLearner(self, critic, critic_model_name_or_path, critic_lr, value_clip=None,
+                                            updates=critic_steps) if advantage_estimator == "gae" else None
         checks = [  # (field, valid, rule, value)
             ("delta", delta > 0, "must be > 0", delta),
             ("damping", damping >= 0, "must be >= 0", damping),
@@ -143,7 +145,7 @@ class TRPO(ActorCritic):
         self.advantage_estimator = advantage_estimator
         self.min_group_size = 2 if advantage_estimator == "group" else 1  # group-relative advantages need G >= 2
         self.scale_rewards, self.std_eps = scale_rewards, std_eps
-        self.critic_steps = critic_steps
+        self.critic_steps, self.critic_lr = critic_steps, critic_lr
         self.gamma, self.lam, self.whiten_advantages = gamma, lam, whiten_advantages
 
     # ------------------------------------------------------------------ setup
@@ -151,10 +153,9 @@ class TRPO(ActorCritic):
     def configure_optimizers(self) -> Any:
         # The policy "optimiser" only applies the accepted step: grad = -step, lr = 1 -> θ += step.
         policy = torch.optim.SGD(self.policy.parameters(), lr=1.0, momentum=0.0, weight_decay=0.0)
-        if self.critic is None:
+        if self.critic_learner is None:
             return policy
-        return [policy, torch.optim.Adam([{"params": list(self.critic.parameters()), "name": "critic"}],
-                                         lr=self.critic_lr)]
+        return [policy, torch.optim.Adam([self.critic_learner.parameter_group()], lr=self.critic_lr)]
 
     @override
     def learning_rates(self) -> dict[str, Tensor]:
@@ -183,17 +184,17 @@ class TRPO(ActorCritic):
 
     # ------------------------------------------------------------------ hooks
     @override
-    def compute_advantages(self, batch: RolloutBatch) -> Tensor:
-        if self.critic is None:
+    def compute_advantages(self, batch: RolloutBatch) -> Tensor | Advantages:
+        if self.critic_learner is None:
             return group_advantages(batch.rewards, batch.group_size, scale=self.scale_rewards, eps=self.std_eps)
-        return self.gae_advantages(batch, self.gamma, self.lam, self.whiten_advantages)
+        return self.critic_learner.gae(batch, self.gamma, self.lam, self.whiten_advantages)
 
     @override
-    def policy_loss(
-        self, batch: RolloutBatch, out: PolicyOutput, advantages: Tensor, weights: Tensor
-    ) -> tuple[Tensor, dict[str, Tensor]]:
+    def policy_loss(self, batch: RolloutBatch, out: PolicyOutput, adv: Advantages,
+                    weights: Tensor) -> tuple[Tensor, Metrics]:
         """``-S(θ)``: minus the importance-weighted surrogate (TRPO maximises ``S``)."""
-        surrogate = importance_surrogate(out.logprobs, batch.sampler_logprobs, advantages, batch.loss_mask, weights)
+        surrogate = importance_surrogate(out.logprobs, batch.sampler_logprobs, adv.advantages, batch.loss_mask,
+                                         weights)
         return -surrogate, {}
 
     def accept_step(self, improvement: Tensor, kl: Tensor) -> bool:
@@ -206,12 +207,12 @@ class TRPO(ActorCritic):
         return vocab_logprobs(self.policy, batch)
 
     def objective(
-        self, batch: RolloutBatch, logp_all: Tensor, advantages: Tensor, weights: Tensor
-    ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        self, batch: RolloutBatch, logp_all: Tensor, adv: Advantages, weights: Tensor
+    ) -> tuple[Tensor, Tensor, Metrics]:
         """``(S, logprobs [N, T], metrics)``: ``-policy_loss`` minus every callback ``LossTerm`` (e.g. a KL penalty)."""
         mask = batch.loss_mask
         logprobs = logp_all.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1) * mask  # [N, T]
-        loss, stats = self.policy_loss(batch, PolicyOutput(logprobs), advantages, weights)
+        loss, stats = self.policy_loss(batch, PolicyOutput(logprobs), adv, weights)
         for term in self._loss_terms():
             extra, extra_stats = term.loss_term(self, batch, logprobs, weights)
             loss = loss + extra
@@ -240,20 +241,21 @@ class TRPO(ActorCritic):
 
     # ------------------------------------------------------------------ the update
     @override
-    def update(self, batch: RolloutBatch, advantages: Tensor, weights: Tensor) -> dict[str, list[Tensor]]:
+    def update(self, batch: RolloutBatch, adv: Advantages, weights: Tensor) -> dict[str, list[Tensor]]:
         """One trust-region step on the rollout batch (see the module docstring); one global step."""
         optimizers = self.optimizers()
         policy_opt = optimizers[0] if isinstance(optimizers, list) else optimizers
         stats: dict[str, list[Tensor]] = {}
-        if self.critic is not None:  # ActorCritic's schedule: critic_steps full-batch Adam steps on ½ (V - R)²
-            stats.update({**self.critic_metrics(batch), **self.fit_critic(batch, weights, optimizers[1])})
+        if self.critic_learner is not None:  # critic_steps full-batch Adam steps on ½ (V - R)² first
+            stats.update({**self.critic_learner.metrics(batch, adv),
+                          **self.critic_learner.fit(batch, adv, weights, optimizers[1])})
         params = self.trainable_parameters()
         mask = batch.loss_mask
 
         # π_old's full distribution (the policy at θ_old) and the surrogate with its gradient g
         new_logp = self.vocab_logprobs(batch)  # [N, T, V], carries the graph
         old_logp = new_logp.detach()
-        surrogate, logprobs, term_stats = self.objective(batch, new_logp, advantages, weights)
+        surrogate, logprobs, term_stats = self.objective(batch, new_logp, adv, weights)
         if not torch.isfinite(surrogate):
             raise NonFiniteLossError(f"TRPO: non-finite surrogate ({surrogate.item()}) at step {self.global_step}; "
                                      "the weights were not updated")
@@ -278,7 +280,7 @@ class TRPO(ActorCritic):
 
         def evaluate() -> tuple[Tensor, Tensor]:
             trial_logp = self.vocab_logprobs(batch)
-            improvement = self.objective(batch, trial_logp, advantages, weights)[0] - s_old
+            improvement = self.objective(batch, trial_logp, adv, weights)[0] - s_old
             return improvement, categorical_kl(old_logp, trial_logp, mask)
 
         accepted = backtracking_line_search(params, full_step, evaluate, self.accept_step, self.backtrack_iters,
@@ -288,5 +290,5 @@ class TRPO(ActorCritic):
 
         stats.update(step_metrics(accepted, g, full_step, s_old, old_logp, logprobs, batch, self.backtrack_iters))
         for key, value in term_stats.items():
-            stats[key] = [value.detach().float()]
+            stats[key] = [getattr(value, "value", value).detach().float()]
         return stats

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Literal
 
 import torch
@@ -9,6 +10,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import Tensor, nn
 
 from rl_lightning.algorithms.base import RLModule
+from rl_lightning.algorithms.metrics import Metrics, Summed, TokenMean
 from rl_lightning.functional import KLKind, aggregate, kl_estimate
 from rl_lightning.rollout.batch import RolloutBatch
 
@@ -57,10 +59,13 @@ class KLRegularizer(Callback):
         if self.beta > 0 and self.target == "reference" and self.reference is None:
             self.reference = pl_module.load_frozen_copy()  # type: ignore[operator]
 
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        if self.reference is not None and isinstance(batch, RolloutBatch):
-            with torch.no_grad():  # once per rollout batch, shared by all iterations and minibatches
-                batch.ref_logprobs, _ = pl_module.token_logprobs(batch, model=self.reference)  # type: ignore[operator]
+    def prepare(self, module: RLModule, batch: RolloutBatch) -> RolloutBatch:
+        """``LossTerm``'s optional hook: the batch with the reference model's log-probs (``ref_logprobs``), once per
+        rollout batch, shared by all iterations and minibatches."""
+        if self.reference is None:
+            return batch
+        with torch.no_grad():
+            return replace(batch, ref_logprobs=module.token_logprobs(batch, model=self.reference)[0])
 
     def contributes(self, module: RLModule) -> bool:
         """``LossTerm``'s optional promise: with ``beta = 0`` the term is exactly zero, so it never keeps a row
@@ -69,7 +74,7 @@ class KLRegularizer(Callback):
 
     def loss_term(
         self, module: RLModule, batch: RolloutBatch, logprobs: Tensor, weights: Tensor
-    ) -> tuple[Tensor, dict[str, Tensor]]:
+    ) -> tuple[Tensor, Metrics]:
         if self.beta == 0:
             return logprobs.new_zeros(()), {}
         other = batch.sampler_logprobs if self.target == "sampler" else batch.ref_logprobs
@@ -83,4 +88,4 @@ class KLRegularizer(Callback):
         term = self.beta * aggregate(kl, weights)
         with torch.no_grad():
             mean_kl = kl.sum() / batch.loss_mask.sum().clamp(min=1)
-        return term, {"train/kl": mean_kl, "train/kl_loss": term.detach()}
+        return term, {"train/kl": TokenMean(mean_kl), "train/kl_loss": Summed(term.detach())}
