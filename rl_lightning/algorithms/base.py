@@ -28,9 +28,9 @@ from rl_lightning.algorithms.advantages import Advantages
 from rl_lightning.algorithms.checks import check_settings
 from rl_lightning.algorithms.distributed import Ranks
 from rl_lightning.algorithms.evaluation import HeldoutEvaluation
-from rl_lightning.algorithms.forward import PolicyOutput, policy_forward, sequences_batch, with_proximal_logprobs
+from rl_lightning.algorithms.forward import LearnerForward, PolicyOutput, with_proximal_logprobs
 from rl_lightning.algorithms.metrics import (
-    Metrics, Summed, UpdateMetrics, learning_rates, log_step, rollout_metrics, step_metrics,
+    Metrics, StepLogging, Summed, UpdateMetrics, rollout_metrics, step_metrics,
 )
 from rl_lightning.algorithms.protocols import LossTerm
 from rl_lightning.algorithms.planning import (
@@ -44,7 +44,7 @@ class NonFiniteLossError(FloatingPointError):
     """A loss or gradient was NaN/inf; raised before the optimiser step, so the weights stay finite."""
 
 
-class RLModule(LightningModule):
+class RLModule(LearnerForward, StepLogging, LightningModule):
     """Base of every algorithm: policy, optimiser, the step template and its hooks.
 
     Args:
@@ -82,7 +82,6 @@ class RLModule(LightningModule):
     zero_advantage_rows_are_inert: bool = False
     #: a forward shares its prompts only when that saves at least this many positions (the 2-core break-even)
     share_prompt_min_tokens: int = 64
-    _step_learning_rates: dict[str, Tensor] | None = None  # noted at on_train_batch_start for the step's log
     #: ``[N]`` bool set by ``update``: the rows of the last rollout batch that were forwarded
     forwarded_rows: Tensor | None = None
 
@@ -275,53 +274,9 @@ class RLModule(LightningModule):
             raise ValueError(f"{type(self).__name__} needs data.init_args.{setting} >= {minimum} ({what}); "
                              f"it is {value}")
 
-    def load_frozen_copy(self) -> nn.Module:
-        """A fresh, frozen copy of the *initial* policy (reloaded from ``model_name_or_path``), on this device."""
-        model, _ = load_policy(self.hparams.model_name_or_path, self.hparams.dtype)
-        return model.requires_grad_(False).eval().to(self.device)
-
-    def forward_policy(self, batch: RolloutBatch, model: nn.Module | None = None, with_entropy: bool = False,
-                       with_hidden: bool = False, extra_ids: Tensor | None = None) -> PolicyOutput:
-        """``forward.policy_forward`` of ``batch`` under ``model`` (default: the policy) with this module's settings."""
-        return policy_forward(self.policy if model is None else model, batch, self.logprob_chunk_size,
-                              self.share_prompt_forward, self.share_prompt_min_tokens, with_entropy, with_hidden,
-                              extra_ids)
-
-    def score_sequences(self, contexts: list[list[int]], targets: list[list[int]],
-                        target_masks: list[list[int]] | None = None, model: nn.Module | None = None,
-                        temperature: float = 1.0, with_entropy: bool = False) -> tuple[PolicyOutput, Tensor]:
-        """``(out, mask)``: log-probs, with gradient, of ``targets`` after ``contexts`` (``forward.sequences_batch``)."""
-        batch = sequences_batch(contexts, targets, target_masks, self.tokenizer.pad_token_id, temperature,
-                                next(self.policy.parameters()).device)
-        return self.forward_policy(batch, model, with_entropy=with_entropy), batch.loss_mask
-
-    def token_logprobs(self, batch: RolloutBatch, model: nn.Module | None = None,
-                       with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
-        """``(logprobs [N, T], entropy or None)`` of ``forward_policy`` (a shorthand)."""
-        out = self.forward_policy(batch, model, with_entropy=with_entropy)
-        return out.logprobs, out.entropy
-
-    @staticmethod
-    def proximal_logprobs(batch: RolloutBatch, out: PolicyOutput) -> Tensor:
-        """``[n, T]`` the learner's log-probs before this batch's update (detached), for ``needs_proximal_logprobs``."""
-        return out.logprobs.detach() if batch.proximal_logprobs is None else batch.proximal_logprobs
-
     def loss_weights(self, batch: RolloutBatch) -> Tensor:
         """Aggregation weights ``[N, T]`` of the whole rollout batch over every rank (``planning.rollout_weights``)."""
         return rollout_weights(batch, self.loss_aggregation, self.ranks)
-
-    def learning_rates(self) -> dict[str, Tensor]:
-        """``metrics.learning_rates`` of the run's optimisers (``train/lr``, ``train/lr_<group>``)."""
-        return learning_rates(self.trainer.optimizers) if self._trainer is not None else {}
-
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """Note the learning rates the coming update uses, so ``train/lr`` at step ``k`` is step ``k``'s rate."""
-        self._step_learning_rates = self.learning_rates()
-
-    def log_training_metrics(self, metrics: dict[str, Tensor], step: int, batch_size: int) -> None:
-        """``metrics.log_step``: the step's metrics with its learning rates, averaged over ranks, at ``step``."""
-        rates, self._step_learning_rates = self._step_learning_rates, None
-        log_step(self, {**(self.learning_rates() if rates is None else rates), **metrics}, step, batch_size)
 
     def validation_step(self, batch: RolloutBatch, batch_idx: int) -> None:
         """Nothing: ``HeldoutEvaluation`` reads each held-out batch (``on_validation_batch_end``)."""

@@ -13,12 +13,13 @@ generated tokens of a ``RolloutBatch``, and of arbitrary token sequences.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
 
 from rl_lightning.functional import sampling_logprobs, sampling_logprobs_at
+from rl_lightning.models.policy import load_policy
 from rl_lightning.rollout.batch import RolloutBatch
 from rl_lightning.rollout.generation import (  # TODO(issue 20): the public names once rollout exports them
     _cache_argument as cache_argument, _returned_cache as returned_cache, can_share_prompts, distinct_rows,
@@ -175,3 +176,39 @@ def with_proximal_logprobs(forward: Callable[[RolloutBatch], PolicyOutput], batc
     for micro in torch.arange(batch.num_rows, device=batch.loss_mask.device).split(micro_batch_size or batch.num_rows):
         logprobs[micro] = forward(batch.select(micro)).logprobs.float()
     return replace(batch, proximal_logprobs=logprobs)
+
+
+class LearnerForward:
+    """The learner forward as ``RLModule`` methods, with the module's settings (``policy``, ``tokenizer``,
+    ``logprob_chunk_size``, ``share_prompt_forward``, ``share_prompt_min_tokens``, ``hparams``)."""
+
+    def load_frozen_copy(self) -> nn.Module:
+        """A fresh, frozen copy of the *initial* policy (reloaded from ``model_name_or_path``), on this device."""
+        model, _ = load_policy(self.hparams.model_name_or_path, self.hparams.dtype)
+        return model.requires_grad_(False).eval().to(self.device)
+
+    def forward_policy(self, batch: RolloutBatch, model: nn.Module | None = None, with_entropy: bool = False,
+                       with_hidden: bool = False, extra_ids: Tensor | None = None) -> PolicyOutput:
+        """``forward.policy_forward`` of ``batch`` under ``model`` (default: the policy) with this module's settings."""
+        return policy_forward(self.policy if model is None else model, batch, self.logprob_chunk_size,
+                              self.share_prompt_forward, self.share_prompt_min_tokens, with_entropy, with_hidden,
+                              extra_ids)
+
+    def score_sequences(self, contexts: list[list[int]], targets: list[list[int]],
+                        target_masks: list[list[int]] | None = None, model: nn.Module | None = None,
+                        temperature: float = 1.0, with_entropy: bool = False) -> tuple[PolicyOutput, Tensor]:
+        """``(out, mask)``: log-probs, with gradient, of ``targets`` after ``contexts`` (``forward.sequences_batch``)."""
+        batch = sequences_batch(contexts, targets, target_masks, self.tokenizer.pad_token_id, temperature,
+                                next(self.policy.parameters()).device)
+        return self.forward_policy(batch, model, with_entropy=with_entropy), batch.loss_mask
+
+    def token_logprobs(self, batch: RolloutBatch, model: nn.Module | None = None,
+                       with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+        """``(logprobs [N, T], entropy or None)`` of ``forward_policy`` (a shorthand)."""
+        out = self.forward_policy(batch, model, with_entropy=with_entropy)
+        return out.logprobs, out.entropy
+
+    @staticmethod
+    def proximal_logprobs(batch: RolloutBatch, out: PolicyOutput) -> Tensor:
+        """``[n, T]`` the learner's log-probs before this batch's update (detached), for ``needs_proximal_logprobs``."""
+        return out.logprobs.detach() if batch.proximal_logprobs is None else batch.proximal_logprobs

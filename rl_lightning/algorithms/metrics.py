@@ -179,3 +179,22 @@ def log_step(module: Any, metrics: dict[str, Tensor], step: int, batch_size: int
         scalars = {k: float(v) for k, v in reduced.items()}
         for logger in module.loggers:
             logger.log_metrics(scalars, step=step)
+
+
+class StepLogging:
+    """The step's log as ``RLModule`` methods: the learning rates each update was taken with, and the metrics."""
+
+    _step_learning_rates: dict[str, Tensor] | None = None  # noted at on_train_batch_start for the step's log
+
+    def learning_rates(self) -> dict[str, Tensor]:
+        """``metrics.learning_rates`` of the run's optimisers (``train/lr``, ``train/lr_<group>``)."""
+        return learning_rates(self.trainer.optimizers) if self._trainer is not None else {}
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Note the learning rates the coming update uses, so ``train/lr`` at step ``k`` is step ``k``'s rate."""
+        self._step_learning_rates = self.learning_rates()
+
+    def log_training_metrics(self, metrics: dict[str, Tensor], step: int, batch_size: int) -> None:
+        """``metrics.log_step``: the step's metrics with its learning rates, averaged over ranks, at ``step``."""
+        rates, self._step_learning_rates = self._step_learning_rates, None
+        log_step(self, {**(self.learning_rates() if rates is None else rates), **metrics}, step, batch_size)
