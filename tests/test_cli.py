@@ -227,3 +227,22 @@ def test_the_readme_lists_every_scalar_a_grpo_run_logs(tmp_path, monkeypatch):
     acc = EventAccumulator(str(tmp_path / "runs" / "grpo" / "version_0"))
     acc.Reload()
     assert names == set(acc.Tags()["scalars"])
+
+
+def test_the_private_names_compat_relies_on_still_exist(tmp_path):
+    """``rl_lightning.compat`` is the only user of Lightning's and jsonargparse's private API: after an upgrade,
+    this names what is gone."""
+    import inspect
+
+    from jsonargparse import ArgumentParser
+    from jsonargparse._parameter_resolvers import get_signature_parameters
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.cli import LightningCLI
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    assert callable(Trainer(logger=False)._checkpoint_connector.dump_checkpoint)
+    assert isinstance(TensorBoardLogger(str(tmp_path))._kwargs, dict)
+    assert callable(get_signature_parameters)
+    assert list(inspect.signature(ArgumentParser._apply_actions).parameters)[:4] == [
+        "self", "cfg", "parent_key", "prev_cfg"]
+    assert "self._parse_ckpt_path()" in inspect.getsource(LightningCLI.__init__)

@@ -57,8 +57,12 @@ class RLProgressBar(TQDMProgressBar):
     ) -> None:
         """``HeldoutObserver``: keep the latest held-out reward (the step-0 one is not in Lightning's metrics)."""
         self._heldout_reward = reward
-        if self._train_progress_bar is not None and not self.train_progress_bar.disable:
-            self.train_progress_bar.set_postfix(self.get_metrics(trainer, module))
+        try:
+            bar = self.train_progress_bar
+        except TypeError:  # the step-0 evaluation runs before training opens the bar
+            return
+        if not bar.disable:
+            bar.set_postfix(self.get_metrics(trainer, module))
 
     # ------------------------------------------------------------------ the training bar: steps, not epochs
     @override

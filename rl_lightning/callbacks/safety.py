@@ -9,8 +9,8 @@
   ...), the step's rollout batch, its RNG state and the state at the start of the step are written to
   ``<run>/failures/step_<k>/``; ``rl-lightning replay <that directory>`` re-runs exactly that update.
 
-The CLI adds all three to every run (unless the configuration already holds an instance); in Python, pass them
-to the ``Trainer`` yourself.
+The CLI adds all three to every run (``trainer.plugins`` defaults to ``AtomicCheckpointIO``; the two callbacks join
+unless the configuration already holds an instance); in Python, pass them to the ``Trainer`` yourself.
 """
 
 from __future__ import annotations
@@ -32,13 +32,26 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info
 
+from rl_lightning import compat
 from rl_lightning.rollout.batch import RolloutBatch
 
 FAILURE_DIRNAME = "failures"
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """``TorchCheckpointIO`` whose writes are atomic: temporary file, flush to disk, then ``os.replace``."""
+    """``TorchCheckpointIO`` whose writes are atomic: temporary file beside the target, flush to disk, ``os.replace``.
+
+    Lightning's own write is atomic only in part, so this one stays. lightning 2.6.6 ``TorchCheckpointIO
+    .save_checkpoint`` (fabric/plugins/io/torch_io.py:58) calls ``_atomic_save`` (fabric/utilities/cloud_io.py:85),
+    which serialises the checkpoint into a ``BytesIO`` and writes ``getvalue()`` inside an fsspec transaction. For
+    a local path, fsspec (2026.9.0, implementations/local.py ``LocalFileOpener``) writes it to ``tempfile.mkstemp()``
+    -- a file in the system temp directory, not beside the checkpoint -- and commits with ``shutil.move``. That is
+    a rename only when ``$TMPDIR`` is on the checkpoint's file system; otherwise (a tmpfs ``/tmp``, checkpoints on
+    another disk or a network file system, as on most clusters) ``shutil.move`` copies into ``last.ckpt`` in
+    place, and a kill during that copy leaves it truncated (``tests/test_run_safety.py`` shows both). It also
+    does not ``fsync`` and holds the checkpoint twice in memory (the buffer and its copy). This one writes the
+    temporary file in the target's directory, so the rename is always on one file system.
+    """
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         if storage_options is not None:
@@ -273,7 +286,7 @@ class FailureDump(Callback):
             self._hooks.append(optimizer.register_step_post_hook(self._count_step))
         self._rng = rng_state()
         if self.snapshot != "never" and trainer.world_size == 1:
-            self._snapshot = _to_cpu(trainer._checkpoint_connector.dump_checkpoint(weights_only=False))
+            self._snapshot = _to_cpu(compat.dump_checkpoint(trainer))
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         # a shallow copy: what the method attaches to the batch during the step (values, returns) is not kept
@@ -287,7 +300,7 @@ class FailureDump(Callback):
         self._many_steps = self.snapshot == "always" or (self.snapshot == "auto" and self._steps_in_batch > 1)
         self._snapshot = None
         if self._many_steps and trainer.world_size == 1:
-            self._snapshot = _to_cpu(trainer._checkpoint_connector.dump_checkpoint(weights_only=False))
+            self._snapshot = _to_cpu(compat.dump_checkpoint(trainer))
         self._rng = rng_state()
         self._steps_in_batch = 0
 
@@ -318,7 +331,7 @@ class FailureDump(Callback):
         state_note = None
         if trainer.world_size == 1:
             if self._steps_in_batch == 0:
-                state = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+                state = compat.dump_checkpoint(trainer)
             else:
                 state = self._snapshot
             if state is not None:
