@@ -48,6 +48,7 @@ from rl_lightning.algorithms.base import RLModule
 from rl_lightning.callbacks.safety import (
     AtomicCheckpointIO, FailureDump, GracefulInterrupt, RunInterrupted, RunStopped, checkpoint_dir,
 )
+from rl_lightning.replay import replay_main
 from rl_lightning.rollout.datamodule import RolloutDataModule
 
 # RLModule checkpoints after the step on purpose (the state after k updates, with the stream at k).
@@ -459,9 +460,7 @@ def cli_main(argv: list[str] | None = None) -> None:
     """Entry point of the ``rl-lightning`` console script."""
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] == "replay":
-        from rl_lightning.replay import replay_main
-
-        raise SystemExit(replay_main(args[1:]))
+        raise SystemExit(replay_main(args[1:], build_cli))
     args = _negative_values(args)
     traceback_wanted = bool(os.environ.get("RL_LIGHTNING_TRACEBACK"))
     if argv is None:  # LightningCLI reads sys.argv itself (and warns when given both)

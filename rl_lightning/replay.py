@@ -6,6 +6,9 @@ checkpoints, nothing written), loads ``state.ckpt``, hands the data module the s
 rollout, restores the RNG state and runs that one training step. A reward function that raised is replayed by
 scoring the saved responses again. The failure's full traceback is printed (``--pdb``: a post-mortem debugger
 at the failing frame); the exit status is 1 when the failure reproduces, 0 when the step runs cleanly.
+
+The run is built by the function the caller passes (the CLI passes its ``build_cli``), so that this module does
+not import the CLI that dispatches to it.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import argparse
 import sys
 import traceback
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,10 +45,12 @@ def _dump_file(failure_dir: Path) -> Path:
     raise FileNotFoundError(f"{failure_dir}: no batch.pt (not a failure directory written by FailureDump)")
 
 
-def replay(failure_dir: str | Path) -> dict[str, float]:
-    """Re-run the failed step saved in ``failure_dir``; raises what the step raises, else returns its metrics."""
-    from rl_lightning.cli import build_cli
+def replay(failure_dir: str | Path, build_cli: Callable[..., Any]) -> dict[str, float]:
+    """Re-run the failed step saved in ``failure_dir``; raises what the step raises, else returns its metrics.
 
+    ``build_cli(settings, run=False, save_config=False)`` builds the run from its configuration
+    (``rl_lightning.cli.build_cli``).
+    """
     failure_dir = Path(failure_dir)
     dump = torch.load(_dump_file(failure_dir), map_location="cpu", weights_only=False)
     run_dir = failure_dir.resolve().parent.parent
@@ -83,14 +89,14 @@ def replay(failure_dir: str | Path) -> dict[str, float]:
     return {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
 
 
-def replay_main(argv: list[str]) -> int:
-    """The ``rl-lightning replay`` subcommand."""
+def replay_main(argv: list[str], build_cli: Callable[..., Any]) -> int:
+    """The ``rl-lightning replay`` subcommand (``build_cli`` as for ``replay``)."""
     parser = argparse.ArgumentParser(prog="rl-lightning replay", description=__doc__.split("\n\n")[0])
     parser.add_argument("failure_dir", help="a <run>/failures/step_<k> directory written by FailureDump")
     parser.add_argument("--pdb", action="store_true", help="open a post-mortem debugger where the step fails")
     args = parser.parse_args(argv)
     try:
-        metrics = replay(args.failure_dir)
+        metrics = replay(args.failure_dir, build_cli)
     except (FileNotFoundError, OSError) as err:
         print(f"rl-lightning replay: error: {err}", file=sys.stderr)
         return 2

@@ -365,7 +365,7 @@ def test_a_non_finite_step_is_dumped_and_replays_exactly(tmp_path, monkeypatch, 
     dump = torch.load(failure / "batch.pt", weights_only=False)
     assert dump["where"] == "update" and dump["optimizer_steps_before_failure"] == call
     with pytest.raises(FloatingPointError, match="non-finite loss"):
-        replay(failure)
+        replay(failure, build_cli)
     assert not (tmp_path / "checkpoints").exists()  # replay writes nothing
     # the state dump also resumes: the run continues from the failed step once the cause is gone
     cli = build_cli(["fit", "--config", GRPO, *tiny(4, val_every=10), "--ckpt_path", str(failure / "state.ckpt")])
@@ -389,7 +389,7 @@ def test_a_reward_function_that_raises_is_dumped_with_its_responses(tmp_path, mo
     assert [p.text for p in dump["batch"].prompts].index(poison) == 4  # group 1 of 4 responses each
     assert torch.isnan(dump["batch"].rewards[4:]).all() and not torch.isnan(dump["batch"].rewards[:4]).any()
     with pytest.raises(Exception, match="cannot score"):
-        replay(failure)
+        replay(failure, build_cli)
 
 
 def test_failure_snapshots_do_not_log_a_line_every_step(tmp_path, monkeypatch):
