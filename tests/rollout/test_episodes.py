@@ -367,14 +367,14 @@ def test_with_a_chat_template_the_trajectory_is_the_templates_rendering_of_the_c
 
 
 def test_observation_tokens_get_zero_loss_and_zero_kl(module):
-    from rl_lightning.algorithms.base import PolicyOutput
+    from rl_lightning.algorithms import Advantages, PolicyOutput
     from rl_lightning.callbacks import KLRegularizer
 
     batch = rollout(module, GroupRollout(max_turns=3))
     batch.rewards = torch.arange(6.0)
     weights = module.loss_weights(batch)
     assert (weights[batch.obs_mask.bool()] == 0).all() and (weights[batch.loss_mask.bool()] > 0).all()
-    advantages = module.compute_advantages(batch).unsqueeze(-1)
+    advantages = Advantages(module.compute_advantages(batch).unsqueeze(-1))
     logprobs = torch.randn(batch.loss_mask.shape) * batch.loss_mask
     noise = torch.randn(batch.loss_mask.shape) * batch.obs_mask  # anything at the observation positions
     loss, _ = module.policy_loss(batch, PolicyOutput(logprobs), advantages, weights)
@@ -394,11 +394,12 @@ def test_ppo_advantages_skip_observation_tokens(module):
     batch = rollout(module, GroupRollout(max_turns=3))
     batch.rewards = torch.arange(6.0)
     with torch.no_grad():
-        advantages = ppo.compute_advantages(batch)
+        adv = ppo.compute_advantages(batch)
+    advantages = adv.advantages
     assert advantages.shape == batch.loss_mask.shape
     assert (advantages[batch.obs_mask.bool()] == 0).all()
     assert (advantages[batch.loss_mask.bool()] != 0).any()
-    assert (batch.values[batch.obs_mask.bool()] == 0).all()  # the critic's values are masked there too
+    assert (adv.values[batch.obs_mask.bool()] == 0).all()  # the critic's values are masked there too
 
 
 def test_extra_sampler_outputs_on_episodes_sit_at_the_sampled_positions(module):
