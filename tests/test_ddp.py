@@ -117,12 +117,12 @@ def _concat(records: list[dict[str, Any]], pad_id: int):
 
 def _single_process_step(state: dict[str, torch.Tensor], batch, aggregation: str):
     """``(loss, {name: grad})`` of GRPO's update on ``batch`` in one process (no trainer: world size 1)."""
-    from rl_lightning.algorithms import GRPO
+    from rl_lightning.algorithms import GRPO, Advantages
 
     module = GRPO(model_name_or_path="embedded:arithmetic", loss_aggregation=aggregation, max_grad_norm=None)
     module.policy.load_state_dict(state)
     module.policy.train()
-    advantages = module.compute_advantages(batch).detach().unsqueeze(-1)
+    advantages = Advantages(module.compute_advantages(batch).detach().unsqueeze(-1))
     weights = module.loss_weights(batch)
     loss, _ = module.policy_loss(batch, module.forward_policy(batch), advantages, weights)
     loss.backward()

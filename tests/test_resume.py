@@ -104,7 +104,11 @@ def test_resume_from_a_step_checkpoint_runs_that_steps_validation(tmp_path):
     tiny_trainer(tmp_path / "b", max_steps=2, logger=first, enable_checkpointing=True, callbacks=[steps],
                  **validate).fit(_module(), datamodule=tiny_datamodule())
     ckpt = tmp_path / "b" / "step=2.ckpt"
-    assert torch.load(ckpt, weights_only=False)["rl_lightning_val_step"] == 0  # written before step 2's validation
+    state = torch.load(ckpt, weights_only=False)
+    # the HeldoutEvaluation callback's state: written before step 2's validation, after step 0's
+    assert state["callbacks"]["HeldoutEvaluation"]["last_step"] == 0
+    assert state["callbacks"]["HeldoutEvaluation"]["history"] == [[0, first.val[0]]]
+    assert "rl_lightning_val_step" not in state
 
     resumed = _ValLog()
     tiny_trainer(tmp_path / "c", max_steps=4, logger=resumed, **validate).fit(
@@ -130,3 +134,20 @@ def test_resume_from_a_step_checkpoint_runs_that_steps_validation(tmp_path):
         _module(), datamodule=data, ckpt_path=str(tmp_path / "d" / "end.ckpt"))
     assert again.val == {2: straight.val[2], 4: straight.val[4]}
     assert sum(held_out) == 1  # one held-out batch of 16 prompts: the validation at step 4 only
+
+    # the same checkpoint in the earlier format (the state in the module's entries, rl_lightning_val_step and
+    # rl_lightning_val_history) is read the same way: no new evaluation at step 2
+    end = torch.load(tmp_path / "d" / "end.ckpt", weights_only=False)
+    heldout = end["callbacks"]["HeldoutEvaluation"]
+    assert heldout["last_step"] == 2
+    legacy = dict(end, callbacks={k: v for k, v in end["callbacks"].items() if k != "HeldoutEvaluation"},
+                  rl_lightning_val_step=heldout["last_step"], rl_lightning_val_history=heldout["history"])
+    torch.save(legacy, tmp_path / "d" / "legacy.ckpt")
+    old, held_out[:] = _ValLog(), []
+    data = tiny_datamodule()
+    rollout, data.rollout = data.rollout, counting  # counting() calls this data module's rollout
+    module = _module()
+    tiny_trainer(tmp_path / "f", max_steps=4, logger=old, **validate).fit(
+        module, datamodule=data, ckpt_path=str(tmp_path / "d" / "legacy.ckpt"))
+    assert old.val == {2: straight.val[2], 4: straight.val[4]} and sum(held_out) == 1
+    assert module.val_history == [(s, v) for s, v in heldout["history"]] + [(4, straight.val[4])]

@@ -4,10 +4,12 @@ critic targets, clip interval, truncation filter and critic weights, on hand bat
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
-from rl_lightning.algorithms import BPCO, PPO, EasyPPO, PolicyOutput
+from rl_lightning.algorithms import BPCO, PPO, Advantages, EasyPPO, PolicyOutput
+from rl_lightning.algorithms.critic import GAE_LAMBDA, VALUE_WEIGHTS
 from rl_lightning.functional import variance_weights
 from rl_lightning.rollout import RolloutBatch
 
@@ -31,7 +33,8 @@ def test_bpco_advantages_use_each_responses_own_lambda_and_the_critic_targets_th
     torch.manual_seed(0)
     module = BPCO(model_name_or_path="embedded:random", alpha=0.5)
     batch = _batch([4, 2, 3, 1], [1.0, 0.0, 1.0, 0.0])
-    advantages = module.compute_advantages(batch)
+    adv = module.compute_advantages(batch)
+    advantages = adv.advantages
     # the bounded head starts at the middle of [0, 1]: V = 0.5 on every generated token, so every TD error is 0
     # but the last one, R - 0.5, and A_t = λ(L)^(L-1-t) (R - 0.5) with λ(L) = max(1 - 1/(0.5 L), 0)
     for row, (length, reward) in enumerate([(4, 1.0), (2, 0.0), (3, 1.0), (1, 0.0)]):
@@ -40,8 +43,9 @@ def test_bpco_advantages_use_each_responses_own_lambda_and_the_critic_targets_th
         torch.testing.assert_close(advantages[row, :length], want, rtol=4 * 2**-24, atol=2**-24)
         assert (advantages[row, length:] == 0).all()
         # λ_V = 1, γ = 1: the critic's target is the observed final reward at every token, exactly
-        assert (batch.returns[row, :length] == reward).all()
-    assert torch.equal(batch.values[batch.loss_mask.bool()], torch.full((10,), 0.5))  # raw, unwhitened
+        assert (adv.returns[row, :length] == reward).all()
+        torch.testing.assert_close(adv.rows[GAE_LAMBDA][row], torch.tensor(lam))  # the λ the advantages used
+    assert torch.equal(adv.values[batch.loss_mask.bool()], torch.full((10,), 0.5))  # raw, unwhitened
 
 
 def _objective_grad(module, p: float, pi: float, advantage: float) -> tuple[float, float]:
@@ -49,7 +53,8 @@ def _objective_grad(module, p: float, pi: float, advantage: float) -> tuple[floa
     batch = _batch([1], [0.0], group_size=1, width=1)
     batch.sampler_logprobs = torch.tensor([[math.log(p)]])
     logprobs = torch.tensor([[math.log(pi)]], requires_grad=True)
-    objective, _ = module.policy_objective(batch, PolicyOutput(logprobs), torch.tensor([[advantage]]))
+    ratio = torch.exp((logprobs - batch.sampler_logprobs) * batch.loss_mask)  # as RLModule.policy_loss makes it
+    objective, _ = module.policy_objective(batch, PolicyOutput(logprobs), ratio, Advantages(torch.tensor([[advantage]])))
     (grad,) = torch.autograd.grad(objective.sum(), logprobs)
     return float(objective), float(grad)
 
@@ -82,17 +87,23 @@ def test_easyppo_a_truncated_response_trains_the_critic_and_not_the_actor():
     torch.manual_seed(0)
     module = EasyPPO(model_name_or_path="embedded:random", critic="separate", whiten_advantages=False)
     batch = _batch([4, 4, 3, 2], [1.0, 0.0, 1.0, 0.0], truncated=[True, False, False, False])
-    advantages = module.compute_advantages(batch)
+    adv = module.compute_advantages(batch)
+    advantages = adv.advantages
     assert (advantages[0] == 0).all() and (advantages[1:] != 0).any()
     weights = module.loss_weights(batch)
-    loss, _ = module.policy_loss(batch, module.forward_policy(batch), advantages, weights)
+    loss, _ = module.policy_loss(batch, module.forward_policy(batch), adv, weights)
     row0 = batch.select(torch.tensor([0]))
-    actor_loss, _ = module.policy_loss(row0, module.forward_policy(row0), advantages[:1], weights[:1])
+    row0_adv = adv.select(torch.tensor([0]))
+    actor_loss, _ = module.policy_loss(row0, module.forward_policy(row0), row0_adv, weights[:1])
+    assert module.extra_losses(row0, module.forward_policy(row0), row0_adv, weights[:1]) == []  # critic_updates: 1
     grads = torch.autograd.grad(actor_loss, list(module.policy.parameters()), allow_unused=True)
     assert all(g is None or (g == 0).all() for g in grads)  # the truncated row moves the actor not at all
-    value_loss, _ = module.value_loss(row0, module.critic_values(row0), weights[:1])
+    value_loss, _ = module.critic_learner.loss(row0, module.critic_learner.values(row0), row0_adv, weights[:1])
     head = torch.autograd.grad(value_loss, module.critic.head.proj.bias)[0]
     assert head.abs().item() > 0  # ... and still trains the critic toward its (truncation) reward
+    extra = module.after_update(batch, adv)  # EasyPPO's own metrics, after the update
+    assert extra["train/kept_for_actor"] == [torch.tensor(0.75)]
+    assert extra["train/value_weight_max"] == [adv.rows[VALUE_WEIGHTS].max()]
 
 
 def test_easyppo_value_loss_with_equal_variances_is_the_plain_value_loss_and_otherwise_the_weighted_one():
@@ -101,18 +112,18 @@ def test_easyppo_value_loss_with_equal_variances_is_the_plain_value_loss_and_oth
     plain = PPO(model_name_or_path="embedded:random", critic="separate", value_clip=None)
     for rewards, equal in (([0.0, 1.0, 1.0, 0.0], True), ([0.0, 1.0, 0.5, 0.5], False)):
         batch = _batch([4, 4, 3, 2], rewards)
-        module.compute_advantages(batch)
+        adv = module.compute_advantages(batch)
         weights = module.loss_weights(batch)
         values = torch.rand(batch.loss_mask.shape, generator=torch.Generator().manual_seed(1)) * batch.loss_mask
-        ours, _ = module.value_loss(batch, values, weights)
-        base, _ = plain.value_loss(batch, values, weights)
+        ours, _ = module.critic_learner.loss(batch, values, adv, weights)
+        base, _ = plain.critic_learner.loss(batch, values, replace(adv, rows={}), weights)  # the same targets
         row = variance_weights(batch.rewards, 2, 0.01, 0.5).unsqueeze(-1)
-        assert torch.equal(module.value_loss_weights(batch), row.squeeze(-1))
+        assert torch.equal(adv.rows[VALUE_WEIGHTS], row.squeeze(-1))
         if equal:
             torch.testing.assert_close(ours, base)
         else:
             # Var^0.5 = 0.5 and 0 (floored at w_min = 0.01): w ∝ 2 and 100, normalised to mean 1 -> [2, 2, 100, 100] / 51
             torch.testing.assert_close(row.squeeze(-1), torch.tensor([2 / 51, 2 / 51, 100 / 51, 100 / 51]))
-            weighted = (0.5 * (values - batch.returns) ** 2 * batch.loss_mask * weights * row).sum()
+            weighted = (0.5 * (values - adv.returns) ** 2 * batch.loss_mask * weights * row).sum()
             torch.testing.assert_close(ours, weighted)
             assert not torch.allclose(ours, base)

@@ -66,6 +66,17 @@ def test_reinforce_baselines():
     torch.testing.assert_close(ema.reward_ema, torch.tensor(0.625))
 
 
+def test_reinforce_is_the_policy_gradient_with_an_ema_baseline():
+    assert issubclass(REINFORCE, PolicyGradient)
+    assert REINFORCE(model_name_or_path="embedded:random").baseline == "ema"
+    assert PolicyGradient(model_name_or_path="embedded:random").baseline == "none"
+    pg = PolicyGradient(model_name_or_path="embedded:random", baseline="ema", ema_decay=0.5)
+    reinforce = REINFORCE(model_name_or_path="embedded:random", ema_decay=0.5)
+    for rewards in ([1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]):
+        assert torch.equal(pg.compute_advantages(_batch(rewards, 1)), reinforce.compute_advantages(_batch(rewards, 1)))
+    assert torch.equal(pg.reward_ema, reinforce.reward_ema)
+
+
 def test_reinforce_ema_baseline_is_checkpointed(tmp_path):
     module = REINFORCE(model_name_or_path="embedded:arithmetic", baseline="ema", optimizer=_adamw(1e-3))
     trainer = tiny_trainer(tmp_path, max_steps=2)
@@ -122,8 +133,9 @@ def test_ppo_value_head_starts_at_zero_so_first_advantages_are_whitened_returns(
     batch = _batch([1.0, 0.0], 1)
     adv = module.compute_advantages(batch)
     # V ≡ 0 at init, γ = λ = 1: every generated token's advantage is the response's return R
-    torch.testing.assert_close(adv, torch.tensor([[1.0, 1.0], [0.0, 0.0]]))
-    torch.testing.assert_close(batch.returns, adv)
+    torch.testing.assert_close(adv.advantages, torch.tensor([[1.0, 1.0], [0.0, 0.0]]))
+    torch.testing.assert_close(adv.returns, adv.advantages)
+    torch.testing.assert_close(adv.values, torch.zeros(2, 2))
 
 
 def test_ppo_rejects_bad_settings():

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from rl_lightning.algorithms import CoPE, GRPO
+from rl_lightning.algorithms import Advantages, CoPE, GRPO
 from rl_lightning.envs import GuessNumberTask
 from rl_lightning.functional import forecast_pairs
 from rl_lightning.rollout import GroupRollout, RolloutBatch, RolloutDataModule
@@ -54,16 +54,27 @@ def reference_pairs(batch: RolloutBatch, row: int, instruction: list[int], k: in
     return pairs
 
 
+def advantages(module: GRPO, batch: RolloutBatch) -> Advantages:
+    """``compute_advantages`` as ``RLModule.training_step`` takes it: an ``Advantages`` with ``[N, 1]`` advantages."""
+    adv = module.compute_advantages(batch)
+    adv = adv if isinstance(adv, Advantages) else Advantages(adv)
+    return dataclasses.replace(adv, advantages=adv.advantages.detach().reshape(batch.num_rows, -1))
+
+
 def gradients(module: GRPO, batch: RolloutBatch, splits: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The flat gradient of each split, computed as ``RLModule.update`` does (weights once per rollout batch,
-    scaled by ``num_minibatches``; each split's rows selected, scored and back-propagated on their own)."""
-    advantages = module.compute_advantages(batch).detach().unsqueeze(-1)
+    """The flat gradient of each split, computed as ``RLModule.update`` does (advantages and weights once per
+    rollout batch, the weights scaled by ``num_minibatches``; each split's rows selected, scored and
+    back-propagated on their own, ``policy_loss`` plus the ``extra_losses``)."""
+    adv = advantages(module, batch)
     weights = module.loss_weights(batch) * module.num_minibatches
     grads = []
     for rows in splits:
         module.policy.zero_grad(set_to_none=False)
-        mb = batch.select(rows)
-        loss, _ = module.policy_loss(mb, module.forward_policy(mb), advantages[rows], weights[rows])
+        mb, mb_adv = batch.select(rows), adv.select(rows)
+        out = module.forward_policy(mb)
+        loss, _ = module.policy_loss(mb, out, mb_adv, weights[rows])
+        for term, _ in module.extra_losses(mb, out, mb_adv, weights[rows]):
+            loss = loss + term
         loss.backward()
         grads.append(torch.cat([p.grad.flatten().clone() for p in module.policy.parameters()]))
     return grads
@@ -145,8 +156,9 @@ def test_zero_success_gives_zero_forecast_loss_and_grpos_gradient_exactly(episod
     cope, grpo = make(forecast_coef=0.1), make(GRPO)
     full = [torch.arange(16)]
     (g_cope,), (g_grpo,) = gradients(cope, batch, full), gradients(grpo, batch, full)
-    assert (batch.extras["forecast_weight"] == 0).all()
-    assert cope.forecast_term(batch).item() == 0.0
+    adv = advantages(cope, batch)
+    assert (adv.rows["forecast_weight"] == 0).all()
+    assert cope.forecast_term(batch, adv).item() == 0.0
     assert torch.equal(g_cope, g_grpo)
 
 
@@ -167,7 +179,7 @@ def test_two_successes_give_the_mean_of_their_two_nll_sums(episodes):
     assert episodes.num_turns[0] >= 2 and episodes.num_turns[2] >= 2  # chunks of 2 actions really occur
     (g_cope,) = gradients(cope, batch, [torch.arange(16)])
     (g_grpo,) = gradients(grpo, batch, [torch.arange(16)])
-    value = cope.forecast_term(batch)  # weights were set by gradients() -> compute_advantages
+    value = cope.forecast_term(batch, advantages(cope, batch))  # the weights compute_advantages returns
     # by hand: score each pair of rows 0 and 2 with score_sequences, sum each row's NLL, average the two, / X
     pairs = [pair for row in (0, 2) for pair in reference_pairs(episodes, row, cope.instruction_ids, 2)]
     owner = torch.tensor([0] * int(episodes.num_turns[0]) + [2] * int(episodes.num_turns[2]))
@@ -218,14 +230,12 @@ def test_under_data_parallelism_the_mean_is_over_every_ranks_prompts(episodes):
     from types import SimpleNamespace
 
     batch = with_rewards(episodes, [1, 0, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 1, 1, 0])
-    single = make()
-    single.compute_advantages(batch)
+    single = make().compute_advantages(batch).rows["forecast_weight"]
     ranked = make()
     ranked._trainer = SimpleNamespace(world_size=2, strategy=SimpleNamespace(reduce=lambda t, reduce_op: t * 2))
     for rows in (torch.arange(8), torch.arange(8, 16)):
         part = batch.select(rows)  # whole groups: group_size stays 4
-        ranked.compute_advantages(part)  # overwrites the weights select() copied
-        assert torch.equal(part.extras["forecast_weight"] / 2, batch.extras["forecast_weight"][rows])
+        assert torch.equal(ranked.compute_advantages(part).rows["forecast_weight"] / 2, single[rows])
 
 
 def test_a_short_fit_on_guess_logs_the_forecast_metrics(tmp_path, recorder):

@@ -1,13 +1,16 @@
-"""``ActorCritic``, the critic every critic method shares: its own update schedule (K passes x minibatches, each
-minibatch's gradient clipped), the joint default left as it was, and the bounded value head."""
+"""``CriticLearner``, the critic every critic method holds (``module.critic_learner``): its own update schedule (K
+passes x minibatches, each minibatch's gradient clipped), the joint default left as it was, and the bounded value
+head."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import torch
 
-from rl_lightning.algorithms import PPO, TRPO, ActorCritic
+from rl_lightning.algorithms import PPO, TRPO, CriticLearner
+from rl_lightning.algorithms.metrics import plain
 from tests.conftest import tiny_datamodule, tiny_trainer
 from tests.rollout.rollout_helpers import fake_trainer
 
@@ -30,7 +33,7 @@ def test_critic_updates_take_k_passes_of_minibatches_each_clipped_on_its_own(mon
     module = PPO(model_name_or_path="embedded:random", critic="separate", critic_updates=2, critic_minibatches=4,
                  critic_max_grad_norm=1e-3)
     batch = _rollout(module)
-    module.compute_advantages(batch)
+    adv = module.compute_advantages(batch)
     optimizer = _optimizer(module)
     norms_at_step: list[float] = []
     inner = optimizer.optimizer.step
@@ -44,7 +47,7 @@ def test_critic_updates_take_k_passes_of_minibatches_each_clipped_on_its_own(mon
     monkeypatch.setattr(optimizer.optimizer, "step", step)
     monkeypatch.setattr(module, "manual_backward", lambda loss: loss.backward())
     policy_before = [p.detach().clone() for p in module.policy.parameters()]
-    stats = module.fit_critic(batch, module.loss_weights(batch), optimizer)
+    stats = module.critic_learner.fit(batch, adv, module.loss_weights(batch), optimizer)
     assert len(norms_at_step) == 8 and len(stats["train/critic_grad_norm"]) == 8  # 2 passes x 4 minibatches
     assert min(float(n) for n in stats["train/critic_grad_norm"]) > 1e-3  # the clip had something to do
     # clip_grad_norm_ scales by c / (norm + 1e-6): the clipped norm is c (1 - 1e-6 / norm) <= c, up to the
@@ -61,11 +64,11 @@ def test_a_shared_critic_trained_on_its_own_moves_only_its_head(monkeypatch):
     module = PPO(model_name_or_path="embedded:random", critic="shared", critic_updates=1)
     assert not module.needs_hidden  # the actor's forward need not produce hidden states for the critic
     batch = _rollout(module)
-    module.compute_advantages(batch)
+    adv = module.compute_advantages(batch)
     monkeypatch.setattr(module, "manual_backward", lambda loss: loss.backward())
     before = [p.detach().clone() for p in module.policy.parameters()]
     head = module.critic.head.proj.weight.detach().clone()
-    module.fit_critic(batch, module.loss_weights(batch), _optimizer(module))
+    module.critic_learner.fit(batch, adv, module.loss_weights(batch), _optimizer(module))
     assert all(torch.equal(a, b) for a, b in zip(before, module.policy.parameters()))
     assert not torch.equal(head, module.critic.head.proj.weight)
 
@@ -75,25 +78,31 @@ def test_with_separate_critic_updates_the_actor_loss_has_no_value_term():
     module = PPO(model_name_or_path="embedded:random", critic_updates=1)
     joint = PPO(model_name_or_path="embedded:random")
     batch = _rollout(module)
-    advantages = module.compute_advantages(batch).detach()
-    joint.compute_advantages(batch)
+    adv = module.compute_advantages(batch)
+    adv = replace(adv, advantages=adv.advantages.detach())
+    joint_adv = replace(joint.compute_advantages(batch), advantages=adv.advantages)  # joint's V_old and returns
     weights = module.loss_weights(batch)
-    loss, metrics = module.policy_loss(batch, module.forward_policy(batch), advantages, weights)
-    joint_loss, joint_metrics = joint.policy_loss(batch, joint.forward_policy(batch, with_hidden=True), advantages,
-                                                  weights)
+    out = module.forward_policy(batch)
+    loss, metrics = module.policy_loss(batch, out, adv, weights)
+    assert module.extra_losses(batch, out, adv, weights) == []  # no value term (and no entropy bonus)
+    joint_out = joint.forward_policy(batch, with_hidden=True)
+    joint_loss, joint_metrics = joint.policy_loss(batch, joint_out, joint_adv, weights)
+    for term, term_metrics in joint.extra_losses(batch, joint_out, joint_adv, weights):
+        joint_loss, joint_metrics = joint_loss + term, {**joint_metrics, **term_metrics}
     assert "train/value_loss" not in metrics and "train/value_loss" in joint_metrics
-    torch.testing.assert_close(loss, metrics["train/policy_loss"])
-    torch.testing.assert_close(joint_loss, joint_metrics["train/policy_loss"] + 0.5 * joint_metrics["train/value_loss"])
+    torch.testing.assert_close(loss, plain(metrics["train/policy_loss"]))
+    torch.testing.assert_close(joint_loss, plain(joint_metrics["train/policy_loss"])
+                               + 0.5 * plain(joint_metrics["train/value_loss"]))
 
 
 def test_a_bounded_value_head_starts_mid_range_and_never_leaves_it(tmp_path):
     torch.manual_seed(0)
     module = PPO(model_name_or_path="embedded:random", value_bounds=(0.0, 1.0), critic_lr=1.0, vf_coef=100.0)
     batch = _rollout(module)
-    values = module.rollout_values(batch)[batch.loss_mask.bool()]
+    values = module.critic_learner.rollout_values(batch)[batch.loss_mask.bool()]
     assert torch.allclose(values, torch.full_like(values, 0.5))
     tiny_trainer(tmp_path, max_steps=3).fit(module, datamodule=tiny_datamodule())
-    values = module.rollout_values(batch)[batch.loss_mask.bool()]
+    values = module.critic_learner.rollout_values(batch)[batch.loss_mask.bool()]
     assert not torch.allclose(values, torch.full_like(values, 0.5))  # it moved (lr 1, a large value loss)
     assert float(values.min()) >= 0.0 and float(values.max()) <= 1.0
 
@@ -110,11 +119,14 @@ def test_a_ppo_fit_with_its_own_critic_schedule_runs_and_logs_the_critic(tmp_pat
     assert {"train/critic_grad_norm", "train/value_loss", "train/explained_variance"} <= set(trainer.callback_metrics)
 
 
-def test_every_critic_method_is_an_actor_critic():
-    assert issubclass(PPO, ActorCritic) and issubclass(TRPO, ActorCritic)
-    assert TRPO(model_name_or_path="embedded:random").critic is None  # group advantages: no critic built
+def test_every_critic_method_holds_a_critic_learner():
+    ppo = PPO(model_name_or_path="embedded:random")
+    assert isinstance(ppo.critic_learner, CriticLearner) and ppo.critic_learner.model is ppo.critic
+    group = TRPO(model_name_or_path="embedded:random")
+    assert group.critic_learner is None and getattr(group, "critic", None) is None  # group advantages: no critic
     gae = TRPO(model_name_or_path="embedded:random", advantage_estimator="gae", critic_steps=3)
-    assert gae.critic is not None and gae.critic_updates == 3 and gae.value_clip is None
+    assert isinstance(gae.critic_learner, CriticLearner) and gae.critic is gae.critic_learner.model
+    assert gae.critic_learner.updates == 3 and gae.critic_learner.value_clip is None
 
 
 def test_a_reference_answer_reaches_the_critic_only():
@@ -129,13 +141,13 @@ def test_a_reference_answer_reaches_the_critic_only():
     with torch.no_grad():
         module.critic.head.proj.weight.normal_()  # a head that reads its hidden states (it starts at 0)
     batch = _rollout(module)
-    ids, mask, prompt_length = module.critic_inputs(batch)
+    ids, mask, prompt_length = module.critic_learner.inputs(batch)
     width = batch.input_ids.shape[1] - batch.prompt_length
     assert torch.equal(ids[:, prompt_length:], batch.input_ids[:, batch.prompt_length:])  # the same responses
     text = module.tokenizer.decode(ids[0, :prompt_length][mask[0, :prompt_length].bool()])
     assert f"answer: {batch.prompts[0].answer}" in text and ids.shape[1] == prompt_length + width
-    values = module.rollout_values(batch)
+    values = module.critic_learner.rollout_values(batch)
     other = dataclasses.replace(batch, prompts=[dataclasses.replace(p, answer="999") for p in batch.prompts])
-    assert not torch.allclose(module.rollout_values(other), values)  # the critic reads the reference ...
+    assert not torch.allclose(module.critic_learner.rollout_values(other), values)  # the critic reads the reference ...
     with torch.no_grad():  # ... the policy does not
         assert torch.equal(module.forward_policy(other).logprobs, module.forward_policy(batch).logprobs)

@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rl_lightning.algorithms import FlashREINFORCE, PolicyOutput
+from rl_lightning.algorithms import Advantages, FlashREINFORCE, PolicyOutput
+from rl_lightning.algorithms.metrics import plain
 from rl_lightning.rollout import RolloutBatch
 from tests.conftest import tiny_datamodule, tiny_trainer
 from tests.helpers.ddp_run import GradedMatch
@@ -130,7 +131,7 @@ def test_gradient_with_respect_to_the_logprobs_is_the_spec_formula():
     batch = _lag(module, _batch([4, 2, 3, 0, 1], [1.0, 0.0, 0.5, 0.25, 1.0]), [0.0, 0.02, 3.0, 0.0, 0.05])
     learner = module.forward_policy(batch).logprobs.detach()
     leaf = learner.clone().requires_grad_(True)
-    advantages = module.compute_advantages(batch).unsqueeze(-1)
+    advantages = Advantages(module.compute_advantages(batch).unsqueeze(-1))
     loss, stats = module.policy_loss(batch, PolicyOutput(leaf), advantages, module.loss_weights(batch))
     (grad,) = torch.autograd.grad(loss, leaf)
     coeff, m = _reference_coefficients(learner, batch.sampler_logprobs, batch.loss_mask, batch.rewards, 5e-3)
@@ -140,7 +141,7 @@ def test_gradient_with_respect_to_the_logprobs_is_the_spec_formula():
     n = int(batch.loss_mask.sum()) + batch.num_rows
     torch.testing.assert_close(loss, (coeff * learner).sum(), rtol=0,
                                atol=(COEFF_RTOL + 2 * gamma(n)) * float((coeff * learner).abs().sum()))
-    assert stats["train/trajectory_keep_fraction"].item() == pytest.approx(3 / 5, rel=4 * 2.0**-24)  # B = 5
+    assert plain(stats["train/trajectory_keep_fraction"]).item() == pytest.approx(3 / 5, rel=4 * 2.0**-24)  # B = 5
 
 
 def test_parameter_gradient_is_the_spec_formula():
@@ -148,7 +149,7 @@ def test_parameter_gradient_is_the_spec_formula():
     batch = _lag(module, _batch([4, 2, 3, 1], [1.0, 0.0, 0.5, 0.0], seed=1), [0.0, 0.01, 0.5, 0.02])
     params = [p for p in module.policy.parameters() if p.requires_grad]
     out = module.forward_policy(batch)
-    advantages = module.compute_advantages(batch).unsqueeze(-1)
+    advantages = Advantages(module.compute_advantages(batch).unsqueeze(-1))
     loss, _ = module.policy_loss(batch, out, advantages, module.loss_weights(batch))
     grads = torch.autograd.grad(loss, params)
     out = module.forward_policy(batch)
@@ -171,14 +172,14 @@ def test_an_all_filtered_batch_gives_zero_loss_and_zero_gradient():
         batch.sampler_logprobs = (module.forward_policy(batch).logprobs - 40.0) * batch.loss_mask
     params = list(module.policy.parameters())
     out = module.forward_policy(batch)
-    loss, stats = module.policy_loss(batch, out, module.compute_advantages(batch).unsqueeze(-1),
+    loss, stats = module.policy_loss(batch, out, Advantages(module.compute_advantages(batch).unsqueeze(-1)),
                                      module.loss_weights(batch))
-    assert loss.item() == 0.0 and stats["train/trajectory_keep_fraction"].item() == 0.0
-    assert all(torch.isfinite(v).all() for v in stats.values())
+    assert loss.item() == 0.0 and plain(stats["train/trajectory_keep_fraction"]).item() == 0.0
+    assert all(torch.isfinite(plain(v)).all() for v in stats.values())
     # the ratios are e^40, bounded to e^30 (finite in float32), and never reach the gradient
     # every ratio is the float32 e^30 (1 ulp off the exact one), their token mean gamma(n) of it
     n = int(batch.loss_mask.sum()) + batch.num_rows
-    assert stats["train/ratio_mean"].item() == pytest.approx(math.exp(30.0), rel=2 * 2.0**-24 + gamma(n))
+    assert plain(stats["train/ratio_mean"]).item() == pytest.approx(math.exp(30.0), rel=2 * 2.0**-24 + gamma(n))
     loss.backward()
     assert all(p.grad is None or (torch.isfinite(p.grad).all() and not p.grad.any()) for p in params)
 
@@ -206,7 +207,7 @@ def _update(module: FlashREINFORCE, batch: RolloutBatch,
     capture = _CaptureOptimizer(list(module.policy.parameters()))
     monkeypatch.setattr(module, "optimizers", lambda: capture)
     monkeypatch.setattr(module, "manual_backward", lambda loss: loss.backward())
-    advantages = module.compute_advantages(batch).unsqueeze(-1)
+    advantages = Advantages(module.compute_advantages(batch).unsqueeze(-1))
     stats = module.update(batch, advantages, module.loss_weights(batch))
     return capture.grads, {k: torch.stack(v).mean().item() for k, v in stats.items()}
 
@@ -261,7 +262,7 @@ class _FakeRanks:
 def _rank_step(module: FlashREINFORCE, batch: RolloutBatch) -> tuple[torch.Tensor, list[torch.Tensor], dict]:
     advantages = module.compute_advantages(batch)
     weights = module.loss_weights(batch)
-    loss, stats = module.policy_loss(batch, module.forward_policy(batch), advantages.unsqueeze(-1), weights)
+    loss, stats = module.policy_loss(batch, module.forward_policy(batch), Advantages(advantages.unsqueeze(-1)), weights)
     grads = torch.autograd.grad(loss, list(module.policy.parameters()), allow_unused=True)
     return advantages, [torch.zeros(()) if g is None else g for g in grads], stats
 
@@ -294,13 +295,13 @@ def test_two_ranks_see_the_global_mean_and_together_give_the_one_process_gradien
         averaged = (results[0][1][name_index] + results[1][1][name_index]) / 2
         torch.testing.assert_close(averaged, g, rtol=10 * COEFF_RTOL, atol=grad_atol)
     # each rank's keep fraction is its own rows' fraction; their mean (the logged value) is the whole batch's
-    fractions = [float(r[2]["train/trajectory_keep_fraction"]) for r in results]
+    fractions = [float(plain(r[2]["train/trajectory_keep_fraction"])) for r in results]
     with torch.no_grad():
         _, m = _reference_coefficients(module.forward_policy(whole).logprobs, whole.sampler_logprobs,
                                        whole.loss_mask, whole.rewards, 5e-3)
     assert m.tolist() == [1.0, 1.0, 0.0, 0.0, 0.0, 1.0]  # rank 0 keeps 2 of its 3 rows, rank 1 keeps 1
     assert fractions == pytest.approx([2 / 3, 1 / 3], rel=4 * 2.0**-24)
-    assert stats_whole["train/trajectory_keep_fraction"].item() == pytest.approx(3 / 6, rel=4 * 2.0**-24)
+    assert plain(stats_whole["train/trajectory_keep_fraction"]).item() == pytest.approx(3 / 6, rel=4 * 2.0**-24)
 
 
 # ------------------------------------------------------------------------------------------------ training

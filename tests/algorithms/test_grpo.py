@@ -30,8 +30,10 @@ def test_two_steps_change_the_weights_and_log_the_fixed_metrics(tmp_path, record
     for name in ("train/reward", "train/reward_std", "train/zero_std_fraction", "train/response_length",
                  "train/truncation_rate", "train/entropy", "train/clip_fraction", "train/clip_fraction_low",
                  "train/clip_fraction_high", "train/sampler_logp_diff", "train/grad_norm", "train/approx_kl",
-                 "perf/step_time", "perf/rollout_time", "perf/tokens_per_sec"):
+                 "train/policy_loss", "train/loss", "perf/step_time", "perf/rollout_time", "perf/tokens_per_sec"):
         assert name in names, name
+    # GRPO's one loss term is the policy loss (no KL callback here): the same summed value
+    assert all(m["train/policy_loss"] == m["train/loss"] for m in recorder.metrics)
     # On-policy, before the first update, the learner reproduces the sampler's log-probs (float32 rounding)
     assert recorder.metrics[0]["train/sampler_logp_diff"] <= decoder_logprob_bound(
         module.policy, 1.0, module.policy.config.max_position_embeddings)
@@ -46,8 +48,8 @@ def test_group_size_one_is_refused_before_training(tmp_path):
 
 
 class _NaNGRPO(GRPO):
-    def policy_loss(self, batch, out, advantages, weights):  # noqa: ANN001
-        loss, stats = super().policy_loss(batch, out, advantages, weights)
+    def policy_loss(self, batch, out, adv, weights):  # noqa: ANN001
+        loss, stats = super().policy_loss(batch, out, adv, weights)
         if self.global_step == 1:
             loss = loss * float("nan")
         return loss, stats

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rl_lightning.algorithms import GRPO, REINFORCE, FlashREINFORCE, ScoreCentering, StableReinforce
+from rl_lightning.algorithms import GRPO, REINFORCE, Advantages, FlashREINFORCE, ScoreCentering, StableReinforce
 from rl_lightning.envs import ArithmeticTask
 from rl_lightning.rollout import RolloutBatch, RolloutDataModule
 from rl_lightning.rollout.generation import position_ids_from_mask
@@ -56,7 +56,7 @@ def _module_grad(module, batch: RolloutBatch) -> torch.Tensor:
     advantages = module.compute_advantages(batch).unsqueeze(-1)
     weights = module.loss_weights(batch)
     out = module.forward_policy(batch, extra_ids=module.extra_logprob_ids(batch))
-    loss, _ = module.policy_loss(batch, out, advantages, weights)
+    loss, _ = module.policy_loss(batch, out, Advantages(advantages), weights)
     loss.backward()
     return _grads(module), advantages, weights
 
@@ -178,17 +178,17 @@ def test_grpo_tis_takes_its_ratio_against_the_learner_before_the_update(monkeypa
     seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     original = GRPO.policy_loss
 
-    def spy(self, mb, out, advantages, weights):
+    def spy(self, mb, out, adv, weights):
         with torch.no_grad():
             seen.append((mb.proximal_logprobs, self.forward_policy(mb, model=frozen).logprobs, out.logprobs.detach()))
-        return original(self, mb, out, advantages, weights)
+        return original(self, mb, out, adv, weights)
 
     monkeypatch.setattr(GRPO, "policy_loss", spy)
     optimizer = torch.optim.SGD(module.policy.parameters(), lr=0.5)
     wrapped = SimpleNamespace(zero_grad=optimizer.zero_grad, step=optimizer.step, optimizer=optimizer)
     monkeypatch.setattr(module, "optimizers", lambda: wrapped)
     monkeypatch.setattr(module, "manual_backward", lambda loss: loss.backward())
-    module.update(batch, module.compute_advantages(batch).unsqueeze(-1), module.loss_weights(batch))
+    module.update(batch, Advantages(module.compute_advantages(batch).unsqueeze(-1)), module.loss_weights(batch))
     assert len(seen) == 2
     tol = decoder_logprob_bound(module.policy, batch.temperature, module.policy.config.max_position_embeddings)
     for proximal, pre_update, current in seen:  # two forwards of the same weights: float32 rounding

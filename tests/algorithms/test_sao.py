@@ -9,7 +9,9 @@ import math
 import pytest
 import torch
 
-from rl_lightning.algorithms import SAO, PolicyOutput
+from rl_lightning.algorithms import SAO, Advantages, PolicyOutput
+from rl_lightning.algorithms.critic import GAE_LAMBDA
+from rl_lightning.algorithms.metrics import plain
 from rl_lightning.functional import gae
 from rl_lightning.rollout import RolloutBatch
 from tests.tolerances import sum_tolerance
@@ -37,11 +39,13 @@ def test_a_token_outside_the_band_has_exactly_zero_gradient_for_either_sign(adva
     # ρ = π / 0.5: 0.3 (outside, below 0.7), 1.2 (inside), 6.4 (outside, above 6.0), 0.68 (just below 0.7)
     pi = torch.tensor([[0.15, 0.6, 3.2, 0.34]])
     logprobs = pi.log().requires_grad_(True)
-    objective, metrics = module.policy_objective(batch, PolicyOutput(logprobs), torch.full((1, 4), advantage))
+    ratio = torch.exp((logprobs - batch.sampler_logprobs) * batch.loss_mask)  # as RLModule.policy_loss makes it
+    objective, metrics = module.policy_objective(batch, PolicyOutput(logprobs), ratio,
+                                                 Advantages(torch.full((1, 4), advantage)))
     (grad,) = torch.autograd.grad(objective.sum(), logprobs)
     assert grad[0, 0] == 0 and grad[0, 2] == 0 and grad[0, 3] == 0
     assert math.isclose(float(grad[0, 1]), advantage * 1.2, rel_tol=1e-6)  # w A with w = ρ: d/dlogπ = ρ A
-    assert math.isclose(float(metrics["train/band_fraction"]), 0.25)
+    assert math.isclose(float(plain(metrics["train/band_fraction"])), 0.25)
 
 
 def test_skip_observation_gae_ignores_observation_tokens_and_uses_the_length_adaptive_lambda():
@@ -51,9 +55,10 @@ def test_skip_observation_gae_ignores_observation_tokens_and_uses_the_length_ada
     with_obs = _batch([[1, 1, 0, 0, 1, 1]], [[0, 0, 1, 1, 0, 0]], rewards=[1.0])
     with torch.no_grad():  # a critic whose values differ per token, so the recursion matters
         module.critic.head.proj.weight.normal_()
-    advantages = module.compute_advantages(with_obs)
-    values = with_obs.values
+    adv = module.compute_advantages(with_obs)
+    advantages, values = adv.advantages, adv.values
     lam = 1 - 1 / (1.5 * 4)
+    torch.testing.assert_close(adv.rows[GAE_LAMBDA], torch.tensor([lam]))  # 4 model tokens, not 6 columns
     model = with_obs.loss_mask.bool()
     v = values[model]  # the model tokens' values, in order
     # by hand over the model tokens only: δ_k = r_k + V_{k+1} - V_k with V after the last = 0 and r = R at the last
@@ -69,7 +74,7 @@ def test_skip_observation_gae_ignores_observation_tokens_and_uses_the_length_ada
     magnitude = float(r.abs().sum() + 2 * v.abs().sum() + want.abs().sum())
     torch.testing.assert_close(advantages[model], want, rtol=0, atol=2 * sum_tolerance(3 * 4, magnitude))
     assert (advantages[~model] == 0).all()
-    assert (with_obs.returns[model] == 1.0).all()  # critic λ = 1, γ = 1: the outcome at every model token
+    assert (adv.returns[model] == 1.0).all()  # critic λ = 1, γ = 1: the outcome at every model token
     # the same recursion as gae() over the mask on values we give it
     again, _ = gae(torch.tensor([[0.0, 0, 0, 0, 0, 1]]), values, with_obs.loss_mask, 1.0, torch.tensor([lam]))
     torch.testing.assert_close(advantages, again)
@@ -86,4 +91,4 @@ def test_the_sao_config_trains_asynchronously_on_the_multi_turn_task(tmp_path):
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     assert cli.trainer.global_step == 3
     assert cli.datamodule.async_queue == 2 and cli.datamodule._producer is not None
-    assert cli.model.critic_updates == 2 and cli.datamodule.group_size == 1
+    assert cli.model.critic_learner.updates == 2 and cli.datamodule.group_size == 1

@@ -1,7 +1,7 @@
 """The shared prompt forward (issue 14, item 1): a prompt that several rows share runs once, in the update and in
 generation's prefill, with the same result as the plain path.
 
-* ``shared_prompt_forward`` (``RLModule.forward_policy``): log-probs, entropies and hidden states, and in ``update``
+* ``forward.shared_prompt_forward`` (``RLModule.forward_policy``): log-probs, entropies and hidden states, and in ``update``
   the loss and every parameter's gradient, equal those of one forward of every row -- for GRPO and PPO (whose
   shared critic reads the hidden states), on the embedded Llama and on GPT-2 (learned absolute positions, fused
   q/k/v, another cache code path; Qwen2 too at the forward level), for whole-batch and odd micro-batches, with and
@@ -34,12 +34,13 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
-import rl_lightning.algorithms.base as base
+import rl_lightning.algorithms.forward as forward
 from rl_lightning.algorithms import GRPO, PPO
+from rl_lightning.algorithms.planning import prompt_blocks
 from rl_lightning.envs import Prompt, Task
 from rl_lightning.rollout import GroupRollout, KVCacheEngine, RolloutBatch, RolloutDataModule, sample
 from rl_lightning.rollout.generation import can_share_prompts, distinct_rows
-from tests.algorithms.test_skipping import _Capture, _metric_tolerances, _off_policy
+from tests.algorithms.test_skipping import _advantages, _Capture, _metric_tolerances, _off_policy
 from tests.conftest import tiny_datamodule, tiny_trainer
 from tests.rollout.rollout_helpers import ScriptedLM, fake_trainer
 from tests.rollout.test_episodes import CountdownEnv, CountdownTask
@@ -109,17 +110,17 @@ def _module(cls: type, arch: str, **kwargs):  # noqa: ANN003, ANN202
 
 
 class _Counter:
-    """Wraps ``base.shared_prompt_forward``: how many forwards shared their prompts."""
+    """Wraps ``forward.shared_prompt_forward``: how many forwards shared their prompts."""
 
     def __init__(self, monkeypatch) -> None:  # noqa: ANN001
         self.shared = self.plain = 0
-        inner = base.shared_prompt_forward
+        inner = forward.shared_prompt_forward
 
         def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
             out = inner(*args, **kwargs)
             self.shared, self.plain = self.shared + (out is not None), self.plain + (out is None)
             return out
-        monkeypatch.setattr(base, "shared_prompt_forward", counted)
+        monkeypatch.setattr(forward, "shared_prompt_forward", counted)
 
 
 def _update(module, batch: RolloutBatch, monkeypatch):  # noqa: ANN001, ANN202
@@ -128,10 +129,7 @@ def _update(module, batch: RolloutBatch, monkeypatch):  # noqa: ANN001, ANN202
     monkeypatch.setattr(module, "optimizers", lambda: capture)
     monkeypatch.setattr(module, "manual_backward", lambda loss: loss.backward())
     monkeypatch.setattr(module, "_loss_terms", lambda: [])
-    advantages = module.compute_advantages(batch).detach()
-    if advantages.dim() == 1:
-        advantages = advantages.unsqueeze(-1)
-    stats = module.update(batch, advantages, module.loss_weights(batch))
+    stats = module.update(batch, _advantages(module, batch), module.loss_weights(batch))
     return capture.steps, {k: torch.stack([v.float().reshape(()) for v in vs]).mean().item() for k, vs in stats.items()}
 
 
@@ -196,7 +194,7 @@ def test_the_shared_forward_scores_like_the_plain_one(arch):
     # group 2's rows do not share (13 distinct prefixes); group 0's prompt is one token (its prefix all padding)
     batch = _batch(len(module.tokenizer), per_row=(2,), prompts=[1, 6, 4, 5])
     ids, mask, p = batch.input_ids, batch.attention_mask, batch.prompt_length
-    shared = base.shared_prompt_forward(module.policy, ids, mask, p, with_hidden=True)
+    shared = forward.shared_prompt_forward(module.policy, ids, mask, p, with_hidden=True)
     assert shared is not None and shared[0].shape[:2] == (16, 8) and shared[1].shape == (16, 8, 128)
     outs = {}
     for share in (False, True):
@@ -269,7 +267,7 @@ def test_bucketing_keeps_a_prompts_rows_together_when_that_costs_less():
     # long shared prompts (12 real tokens): whole groups in a micro-batch save far more than the padding they add
     module = _module(GRPO, "llama", micro_batch_size=G)
     batch = _batch(len(module.tokenizer), prompt=12, prompts=[12, 12, 12, 12])
-    (_, _, micros), = module._update_plan(batch, None)
+    (_, _, _, micros), = module._plan(batch, None)
     assert sorted(sorted(m.tolist()) for m in micros) == [list(range(g * G, (g + 1) * G)) for g in range(4)]
     # groups ordered by their longest response, each group's rows longest first
     assert [m.tolist() for m in micros][0] == [0, 2, 3, 1]
@@ -278,12 +276,13 @@ def test_bucketing_keeps_a_prompts_rows_together_when_that_costs_less():
         other = _module(GRPO, "llama", micro_batch_size=G)
         for key, value in change.items():
             setattr(other, key, value)
-        (_, _, micros), = other._update_plan(batch, None)
+        (_, _, _, micros), = other._plan(batch, None)
         lengths = [LENGTHS[r] for m in micros for r in m.tolist()]
         assert lengths == sorted(lengths, reverse=True)
     # prompts that all differ: the plan is the one without sharing
     distinct = _batch(len(module.tokenizer), per_row=(0, 1, 2, 3))
-    assert module._prompt_blocks(distinct) is None
+    assert prompt_blocks(distinct, module.policy) is None
+    assert prompt_blocks(batch, module.policy).tolist() == [r // G for r in range(16)]  # one block per group
 
 
 # ------------------------------------------------------------------------------------------------ fall-backs
@@ -291,7 +290,7 @@ def test_prompts_that_differ_within_every_group_are_not_shared(monkeypatch):
     module = _module(GRPO, "llama", micro_batch_size=5)
     batch = _off_policy(module, _batch(len(module.tokenizer), per_row=(0, 1, 2, 3)))
     assert distinct_rows(batch.input_ids[:, :5]) is None
-    assert base.shared_prompt_forward(module.policy, batch.input_ids, batch.attention_mask, 6) is None
+    assert forward.shared_prompt_forward(module.policy, batch.input_ids, batch.attention_mask, 6) is None
     state = {k: v.clone() for k, v in module.state_dict().items()}
     runs = {}
     for share in (False, True):
@@ -362,13 +361,13 @@ def test_sharing_switches_off_where_it_cannot_be_exact():
     # a sliding-window layer keeps only part of the history: found at the first try, then not tried again
     sliding = _qwen2(vocab, use_sliding_window=True, sliding_window=4, max_window_layers=1)
     assert can_share_prompts(sliding)
-    assert base.shared_prompt_forward(sliding, ids, mask, p) is None
+    assert forward.shared_prompt_forward(sliding, ids, mask, p) is None
     assert not can_share_prompts(sliding)
     plain = _qwen2(vocab)
-    assert base.shared_prompt_forward(plain, ids, mask, 1) is None  # P = 1: no prefix to share
+    assert forward.shared_prompt_forward(plain, ids, mask, 1) is None  # P = 1: no prefix to share
     saved = (16 - 4) * (p - 1)
-    assert base.shared_prompt_forward(plain, ids, mask, p, min_tokens=saved + 1) is None
-    assert base.shared_prompt_forward(plain, ids, mask, p, min_tokens=saved) is not None
+    assert forward.shared_prompt_forward(plain, ids, mask, p, min_tokens=saved + 1) is None
+    assert forward.shared_prompt_forward(plain, ids, mask, p, min_tokens=saved) is not None
 
 
 def test_the_flags_are_validated():

@@ -2,8 +2,8 @@
 
 * Inert rows (``RLModule.inert_rows``: zero advantage, no contributing loss term) are not forwarded, and the
   gradient is the one of forwarding every row -- also when every row is skipped (a zero gradient, logged,
-  no NaN) -- while a contributing ``LossTerm`` (KL with ``beta > 0``), a value loss (PPO) or a ``policy_loss``
-  override (CoPE) switch the skipping off.
+  no NaN) -- while a contributing ``LossTerm`` (KL with ``beta > 0``), a value loss (PPO) or a class that does
+  not declare ``zero_advantage_rows_are_inert`` (CoPE's forecasting term) switch the skipping off.
 * Length bucketing (rows ordered by response length into micro-batches, each cut to its longest row) leaves
   the gradient unchanged, for ``[N]`` and ``[N, T]`` (PPO) advantages.
 
@@ -25,13 +25,16 @@ the advantages are zero-mean per group and the terms cancel).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from rl_lightning.algorithms import CoPE, GRPO, PPO, REINFORCE, RLOO, SPO, FlashREINFORCE, PolicyGradient, TRPO
-from rl_lightning.algorithms.base import trim_padding
+from rl_lightning.algorithms import (
+    CoPE, GRPO, PPO, REINFORCE, RLOO, SPO, Advantages, FlashREINFORCE, PolicyGradient, TRPO,
+)
+from rl_lightning.algorithms.planning import minibatch_rows, trim_padding
 from rl_lightning.callbacks import KLRegularizer
 from rl_lightning.envs.base import Prompt, RewardFunction
 from rl_lightning.rollout import RolloutBatch
@@ -86,6 +89,13 @@ class _Capture:
         self.steps.append([None if p.grad is None else p.grad.clone() for p in self.params])
 
 
+def _advantages(module, batch: RolloutBatch) -> Advantages:  # noqa: ANN001
+    """``compute_advantages`` as ``RLModule.training_step`` takes it: an ``Advantages``, ``[N, 1]`` or ``[N, T]``."""
+    adv = module.compute_advantages(batch)
+    adv = adv if isinstance(adv, Advantages) else Advantages(adv)
+    return replace(adv, advantages=adv.advantages.detach().reshape(batch.num_rows, -1))
+
+
 def _update(module, batch: RolloutBatch, monkeypatch, terms=()):  # noqa: ANN001, ANN202
     """``RLModule.update`` without a Trainer: ``(gradients of each optimiser step, metrics, backward count)``."""
     capture = _Capture(list(module.parameters()))
@@ -93,10 +103,7 @@ def _update(module, batch: RolloutBatch, monkeypatch, terms=()):  # noqa: ANN001
     monkeypatch.setattr(module, "optimizers", lambda: capture)
     monkeypatch.setattr(module, "manual_backward", lambda loss: (backwards.append(1), loss.backward()))
     monkeypatch.setattr(module, "_loss_terms", lambda: list(terms))
-    advantages = module.compute_advantages(batch).detach()
-    if advantages.dim() == 1:
-        advantages = advantages.unsqueeze(-1)
-    stats = module.update(batch, advantages, module.loss_weights(batch))
+    stats = module.update(batch, _advantages(module, batch), module.loss_weights(batch))
     metrics = {k: torch.stack([v.float().reshape(()) for v in vs]).mean().item() for k, vs in stats.items()}
     return capture.steps, metrics, len(backwards)
 
@@ -150,8 +157,7 @@ def _metric_tolerances(module, batch: RolloutBatch) -> dict[str, tuple[float, fl
         out = module.forward_policy(batch, with_entropy=True, with_hidden=True)
     mask = batch.loss_mask.bool()
     delta = decoder_logprob_tolerance(module.policy, out.hidden[mask], batch.temperature, batch.input_ids.shape[1])
-    advantages = module.compute_advantages(batch).detach()
-    advantages = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
+    advantages = _advantages(module, batch).advantages
     weights = module.loss_weights(batch)
     ratio = torch.exp(out.logprobs - batch.sampler_logprobs)[mask].double()
     n = int(mask.sum()) + batch.num_rows  # tokens, and at most one partial sum per row (micro-batch)
@@ -305,28 +311,32 @@ def test_ppo_trpo_and_cope_never_skip(monkeypatch):
     torch.manual_seed(0)
     ppo = PPO(model_name_or_path="embedded:arithmetic", micro_batch_size=4)
     _, metrics, backwards = _update(ppo, batch, monkeypatch)
-    assert ppo.inert_rows(batch, torch.zeros(16, 1)) is None  # a value loss: every row has a gradient
+    zero = Advantages(torch.zeros(16, 1))
+    assert ppo.inert_rows(batch, zero) is None  # a value loss: every row has a gradient
     assert metrics["train/skipped_rows"] == 0.0 and backwards == 4
-    assert TRPO(model_name_or_path="embedded:random").inert_rows(batch, torch.zeros(16, 1)) is None
-    # CoPE inherits GRPO's declaration but overrides policy_loss (a forecasting term on successful rows)
-    assert CoPE(model_name_or_path="embedded:arithmetic").inert_rows(batch, torch.zeros(16, 1)) is None
+    assert TRPO(model_name_or_path="embedded:random").inert_rows(batch, zero) is None
+    # CoPE is a GRPO that declares False: its forecasting term (extra_losses) is not zero on successful rows
+    assert GRPO.zero_advantage_rows_are_inert and not CoPE.zero_advantage_rows_are_inert
+    assert CoPE(model_name_or_path="embedded:arithmetic").inert_rows(batch, zero) is None
 
 
-def test_the_declaration_belongs_to_the_policy_loss_that_makes_it():
-    class NewLoss(GRPO):
-        def policy_loss(self, batch, out, advantages, weights):  # noqa: ANN001, ANN201
-            return super().policy_loss(batch, out, advantages, weights)
+def test_inert_rows_follow_the_class_declaration():
+    class NewTerm(GRPO):  # a term that is not zero on a zero-advantage row: the class declares False
+        zero_advantage_rows_are_inert = False
 
-    class Redeclared(NewLoss):
+        def extra_losses(self, batch, out, adv, weights):  # noqa: ANN001, ANN201
+            return [(-(out.logprobs * batch.loss_mask).sum(), {})]
+
+    class Redeclared(NewTerm):
         zero_advantage_rows_are_inert = True
 
-    class NewBaseline(GRPO):  # advantages only: the loss is GRPO's
+    class NewBaseline(GRPO):  # advantages only: the loss is GRPO's, and so is its declaration
         def compute_advantages(self, batch):  # noqa: ANN001, ANN201
             return super().compute_advantages(batch)
 
     batch = _batch(MIXED)
-    adv = GRPO(model_name_or_path="embedded:random").compute_advantages(batch).unsqueeze(-1)
-    assert NewLoss(model_name_or_path="embedded:random").inert_rows(batch, adv) is None
+    adv = Advantages(GRPO(model_name_or_path="embedded:random").compute_advantages(batch).unsqueeze(-1))
+    assert NewTerm(model_name_or_path="embedded:random").inert_rows(batch, adv) is None
     expect = [r in range(4, 8) or r in range(12, 16) for r in range(16)]
     assert Redeclared(model_name_or_path="embedded:random").inert_rows(batch, adv).tolist() == expect
     assert NewBaseline(model_name_or_path="embedded:random").inert_rows(batch, adv).tolist() == expect
@@ -334,11 +344,11 @@ def test_the_declaration_belongs_to_the_policy_loss_that_makes_it():
     entropy.needs_entropy = True  # e.g. an entropy bonus: a zero-advantage row still has a gradient
     assert entropy.inert_rows(batch, adv) is None
     # per-token advantages: inert when zero on every generated token; padding does not count
-    per_token = adv.expand(16, 8) * batch.loss_mask
+    per_token = adv.advantages.expand(16, 8) * batch.loss_mask
     per_token[0, 7] = 0.0  # row 0 (length 8) stays live through its other tokens
     per_token[1, 0], per_token[1, 5] = 0.0, 3.0  # row 1 (length 1): zero on its token, not on padding
     expect[1] = True
-    assert GRPO(model_name_or_path="embedded:random").inert_rows(batch, per_token).tolist() == expect
+    assert GRPO(model_name_or_path="embedded:random").inert_rows(batch, Advantages(per_token)).tolist() == expect
 
 
 def test_the_switches_are_validated():
@@ -388,17 +398,19 @@ def test_length_bucketing_slices_per_token_advantages_ppo(monkeypatch, critic):
 def test_micro_batches_hold_rows_of_similar_length_deterministically():
     module = _grpo(micro_batch_size=4, num_minibatches=2)
     batch = _batch(SPREAD)
-    plans = [module._update_plan(batch, None), module._update_plan(batch, None)]
+    plans = [module._plan(batch, None), module._plan(batch, None)]
     assert [[m.tolist() for m in micros] for *_, micros in plans[0]] == \
            [[m.tolist() for m in micros] for *_, micros in plans[1]]
-    for _, _, micros in plans[0]:
+    minibatches = minibatch_rows(16, 2, module.seed, 0, 0, torch.device("cpu"))
+    for (iteration, index, rows, micros), want in zip(plans[0], minibatches):
+        assert (iteration, rows.tolist()) == (0, want.tolist())  # the minibatch's rows, micro-batches of them
+        assert sorted(r for m in micros for r in m.tolist()) == sorted(want.tolist())
         lengths = [LENGTHS[r] for m in micros for r in m.tolist()]
         assert lengths == sorted(lengths, reverse=True)  # longest first within each minibatch
     rows = sorted(r for *_, micros in plans[0] for m in micros for r in m.tolist())
     assert rows == list(range(16))  # every row once per pass
     module.length_bucketing = False
-    assert [m.tolist() for m in module._update_plan(batch, None)[0][2]] == [
-        m.tolist() for m in module._minibatches(16, 0)[0].split(4)]
+    assert [m.tolist() for m in module._plan(batch, None)[0][3]] == [m.tolist() for m in minibatches[0].split(4)]
 
 
 def test_trim_padding_cuts_unused_columns_and_keeps_the_log_probs():

@@ -42,7 +42,7 @@ def _logged(tmp_path, cls, **kwargs) -> tuple[dict[str, float], torch.Tensor]:
         # some tokens are clipped
         (GRPO, {"num_iterations": 2, "clip_eps_low": 0.01, "clip_eps_high": 0.01},
          ["train/ratio_mean", "train/approx_kl", "train/clip_fraction", "train/clip_fraction_low",
-          "train/clip_fraction_high", "train/loss"]),
+          "train/clip_fraction_high", "train/loss", "train/policy_loss"]),
     ],
 )
 def test_loss_metrics_do_not_depend_on_micro_batching(tmp_path, cls, kwargs, names):

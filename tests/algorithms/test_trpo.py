@@ -9,6 +9,7 @@ import pytest
 import torch
 from lightning.pytorch import Callback
 
+from rl_lightning.algorithms import Advantages
 from rl_lightning.algorithms.trpo import TRPO
 from rl_lightning.functional.trpo import categorical_kl
 from rl_lightning.rollout.generation import position_ids_from_mask
@@ -169,7 +170,7 @@ def _step_of(module: TRPO, batch, method: str, cg_iters: int, monkeypatch) -> tu
     monkeypatch.setattr(module, "optimizers", lambda: optimizer)
     monkeypatch.setattr(module, "fisher_product", method)
     monkeypatch.setattr(module, "cg_iters", cg_iters)
-    advantages = module.compute_advantages(batch).detach().unsqueeze(-1)
+    advantages = Advantages(module.compute_advantages(batch).detach().unsqueeze(-1))
     stats = module.update(batch, advantages, module.loss_weights(batch))
     step = torch.nn.utils.parameters_to_vector(module.trainable_parameters()).detach() - before
     module.policy.load_state_dict(state)

@@ -8,7 +8,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from rl_lightning.algorithms import GRPO
+from rl_lightning.algorithms.metrics import plain
 from rl_lightning.callbacks import KLRegularizer
+from tests.conftest import tiny_datamodule, tiny_trainer
 from tests.tolerances import log_softmax_tolerance, sum_tolerance
 
 
@@ -27,7 +30,7 @@ def test_kl_to_the_sampler_is_log_q_minus_log_p_and_pulls_toward_the_sampler():
     logq = torch.tensor([[-0.5]])
     term, stats = _term("sampler", "k1", logp, logq, beta=2.0)
     assert float(term) == pytest.approx(2.0 * 0.7)
-    assert float(stats["train/kl"]) == pytest.approx(0.7)
+    assert float(plain(stats["train/kl"])) == pytest.approx(0.7)
     term.backward()
     assert float(logp.grad) == pytest.approx(-2.0)  # minimising raises log p of the sampler's token
 
@@ -70,3 +73,29 @@ def test_kl_to_the_sampler_has_the_gradient_of_kl_q_p_in_expectation(estimator):
         assert abs(float(expected_term) - kl_qp) <= tol  # unbiased for KL(q || p)
     assert kl_qp > 0.4
     torch.testing.assert_close(expected_grad, p - q, rtol=0, atol=2 * tol)  # grad of KL(q || p) wrt logits
+
+
+def test_prepare_fills_the_reference_logprobs_once_per_rollout_batch(tmp_path):
+    """``prepare`` (a ``LossTerm`` hook) runs once per rollout batch, before the advantages, whatever the number of
+    optimiser steps, and returns a new batch with the frozen reference's log-probs; the rollout is not written to."""
+    calls = []
+
+    class Recording(KLRegularizer):
+        def prepare(self, module, batch):  # noqa: ANN001, ANN201
+            prepared = super().prepare(module, batch)
+            calls.append((batch, prepared))
+            return prepared
+
+    kl = Recording(beta=0.1)
+    module = GRPO(model_name_or_path="embedded:arithmetic", num_iterations=2, num_minibatches=2,
+                  optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
+    tiny_trainer(tmp_path, max_steps=2, callbacks=[kl]).fit(module, datamodule=tiny_datamodule())
+    assert len(calls) == 2  # two rollout batches, of 4 optimiser steps each
+    for given, prepared in calls:
+        assert given.ref_logprobs is None and prepared is not given
+        with torch.no_grad():
+            want = module.token_logprobs(given, model=kl.reference)[0]
+        assert torch.equal(prepared.ref_logprobs, want)  # the frozen reference's: the same forward, bit for bit
+    off = KLRegularizer(beta=0.0)
+    batch = calls[0][0]
+    assert off.reference is None and off.prepare(module, batch) is batch  # beta = 0: no reference, nothing to add

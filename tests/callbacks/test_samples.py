@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.util import tensor_util
@@ -31,7 +33,8 @@ def test_heldout_samples_at_every_evaluation_and_train_samples_at_the_last_step(
     logger = TensorBoardLogger(str(tmp_path), name="run")
     trainer = tiny_trainer(tmp_path, max_steps=5, callbacks=[samples], logger=logger, limit_val_batches=None,
                            val_check_interval=2, check_val_every_n_epoch=None)
-    trainer.fit(GRPO(model_name_or_path="embedded:arithmetic"), datamodule=tiny_datamodule())
+    module = GRPO(model_name_or_path="embedded:arithmetic")
+    trainer.fit(module, datamodule=tiny_datamodule())
     logger.experiment.flush()
 
     acc = EventAccumulator(logger.log_dir, size_guidance={"tensors": 0, "scalars": 0})
@@ -43,6 +46,9 @@ def test_heldout_samples_at_every_evaluation_and_train_samples_at_the_last_step(
     assert sorted(val) == [0, 2, 4, 5]
     assert sorted(val) == [e.step for e in acc.Scalars("val/reward")]
     val_reward = {e.step: e.value for e in acc.Scalars("val/reward")}
+    # the module's HeldoutEvaluation callback keeps the same evaluations (val_history reads it)
+    assert [s for s, _ in module.val_history] == sorted(val)
+    assert all(v == pytest.approx(val_reward[s]) for s, v in module.val_history)
     for step, rows in val.items():
         assert len(rows) == 16  # the 16 held-out prompts: one greedy response each, in one validation batch
         rewards = [row[2] for row in rows]
