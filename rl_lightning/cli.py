@@ -18,9 +18,12 @@ What it adds to a plain ``LightningCLI``:
   (settings that differ are listed in a warning).
 * The optimiser is set in one place, ``model.init_args.optimizer`` (the top-level ``--optimizer`` is refused).
 * ``trainer.callbacks`` of a stacked config, and ``--trainer.callbacks+=CLASS [--trainer.callbacks.KEY VALUE]``,
-  add to the callback list; an entry of a class already there updates that entry (``config_check.merge_callbacks``),
+  add to the callback list; an entry of a class already there updates that entry (``rl_lightning.cli_parser``),
   so a preset never drops the method config's callbacks and ``--trainer.callbacks+=KLRegularizer
   --trainer.callbacks.beta 0.04`` turns the configs' KL penalty on.
+
+The callbacks every run has are ``trainer_defaults`` (``run_callbacks``), and so is the checkpoint plugin
+(``trainer.plugins`` defaults to ``AtomicCheckpointIO``).
 """
 
 from __future__ import annotations
@@ -37,53 +40,21 @@ from typing import Any
 from jsonargparse import Namespace
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ProgressBar
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from lightning.pytorch.cli import SaveConfigCallback
 from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 import rl_lightning
-from rl_lightning import config_check, runs
+from rl_lightning import compat, config_check, runs
 from rl_lightning.algorithms.base import RLModule
-from rl_lightning.callbacks.safety import (
-    AtomicCheckpointIO, FailureDump, GracefulInterrupt, RunInterrupted, RunStopped, checkpoint_dir,
-)
+from rl_lightning.callbacks.progress import RLProgressBar
+from rl_lightning.callbacks.safety import FailureDump, GracefulInterrupt, RunInterrupted, RunStopped, checkpoint_dir
+from rl_lightning.cli_parser import ConfigParseError, Parser
 from rl_lightning.replay import replay_main
 from rl_lightning.rollout.datamodule import RolloutDataModule
 
 # RLModule checkpoints after the step on purpose (the state after k updates, with the stream at k).
 warnings.filterwarnings("ignore", message=".*ModelCheckpoint with manual optimization.*")
-
-
-class ConfigParseError(Exception):
-    """jsonargparse refused the command line or a config file (its message, unformatted)."""
-
-
-class _Parser(LightningArgumentParser):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("allow_abbrev", False)  # "--trainer.max_step 3" must not silently mean max_steps
-        super().__init__(*args, **kwargs)
-
-    def error(self, message: str, ex: Exception | None = None) -> Any:
-        if not self.exit_on_error:  # jsonargparse's internal attempts expect its own exception
-            return super().error(message, ex)
-        raise ConfigParseError(message) from ex
-
-    def parse_args(self, args: Any = None, *rest: Any, **kwargs: Any) -> Namespace:
-        """``--trainer.callbacks+=CLASS`` as a stacked config (``config_check.callback_appends_as_configs``)."""
-        args = sys.argv[1:] if args is None else args
-        return super().parse_args(config_check.callback_appends_as_configs(list(args)), *rest, **kwargs)
-
-    def _apply_actions(self, cfg: Any, parent_key: str = "", prev_cfg: Namespace | None = None,
-                       **kwargs: Any) -> Namespace:
-        """A stacked config's ``trainer.callbacks`` adds to the list before it (``config_check.merge_callbacks``)
-        instead of replacing it, so that a task preset with a callback keeps the method config's callbacks."""
-        trainer = cfg.get("trainer") if isinstance(cfg, dict) and not parent_key else None
-        before = prev_cfg.get("trainer.callbacks") if isinstance(prev_cfg, Namespace) else None
-        if isinstance(trainer, dict) and isinstance(trainer.get("callbacks"), (list, dict)) and before:
-            merged, _ = config_check.merge_callbacks(before, trainer["callbacks"])
-            cfg = {**cfg, "trainer": {**trainer, "callbacks": merged}}
-        return super()._apply_actions(cfg, parent_key, prev_cfg, **kwargs)
 
 
 class _RunLineage(Callback):
@@ -101,7 +72,9 @@ class _SaveRunConfig(SaveConfigCallback):
     ``--config <run>/config.yaml --ckpt_path last`` resumes exactly that run. A resumed run keeps the original
     and writes its own configuration beside it (``config.resume-step<k>.yaml``)."""
 
-    resume_step: int | None = None
+    def __init__(self, *args: Any, resume_step: int | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.resume_step = resume_step
 
     def setup(self, trainer: Trainer, pl_module: Any, stage: str) -> None:
         if self.already_saved:
@@ -126,14 +99,37 @@ def _logger_config(config: Namespace) -> Namespace | None:
     return None
 
 
-class RLCLI(LightningCLI):
+def run_callbacks(identity: dict[str, Any], trainer_config: dict[str, Any]) -> list[Callback]:
+    """The callbacks every run of the CLI has, after the configured ones (``trainer_defaults["callbacks"]``).
+
+    ``identity`` (``runs.run_identity``) goes into every checkpoint; ``GracefulInterrupt`` and ``FailureDump``
+    join unless ``trainer_config`` (the instantiated ``trainer`` settings) holds one already; ``RLProgressBar``
+    unless it disables the bar or sets another one.
+    """
+    given = trainer_config.get("callbacks") or []
+    given = given if isinstance(given, list) else [given]
+    callbacks: list[Callback] = [_RunLineage(identity)]
+    callbacks += [cls() for cls in (GracefulInterrupt, FailureDump) if not any(isinstance(cb, cls) for cb in given)]
+    if trainer_config.get("enable_progress_bar") is not False and not any(isinstance(cb, ProgressBar) for cb in given):
+        callbacks.append(RLProgressBar())
+    return callbacks
+
+
+class RLCLI(compat.CheckpointPathCLI):
     """LightningCLI in subclass mode for the model (``--model GRPO``) and the data module."""
 
     _resume: runs.ResumeTarget | None = None
     _started: float = 0.0
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        try:
+            super().__init__(*args, **kwargs)  # parses, instantiates and runs the subcommand
+        except BaseException:
+            self._remove_empty_run()  # a run that failed in its setup leaves no directory behind
+            raise
+
     # ------------------------------------------------------------------ resume: which run, and is it this one
-    def _parse_ckpt_path(self) -> None:
+    def resolve_ckpt_path(self) -> None:
         """Resolve ``--ckpt_path`` to one run's checkpoint, refuse another run's, continue in its directory."""
         subcommand = self.config.get("subcommand")
         if not subcommand:
@@ -217,32 +213,19 @@ class RLCLI(LightningCLI):
             rank_zero_warn("Resuming from " + str(path) + " with model settings that differ from the "
                            "checkpoint's (the configuration's values are used):\n  " + "\n  ".join(differ))
 
-    # ------------------------------------------------------------------ the trainer and its safety callbacks
+    # ------------------------------------------------------------------ the trainer and the run's callbacks
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         config = self.config.get(str(self.subcommand), self.config)
-        trainer_config = self._get(self.config_init, "trainer", default={})
-        given = trainer_config.get("callbacks") or []
-        given = given if isinstance(given, list) else [given]
-        extra: list[Callback] = [_RunLineage(runs.run_identity(config.as_dict()))]
-        extra += [cls() for cls in (GracefulInterrupt, FailureDump) if not any(isinstance(cb, cls) for cb in given)]
-        progress = _progress_bar_class()
-        if (progress is not None and trainer_config.get("enable_progress_bar") is not False
-                and not any(isinstance(cb, ProgressBar) for cb in given)):
-            extra.append(progress())
-        self._extra_callbacks = extra
+        trainer_config = self.config_init.get(str(self.subcommand), self.config_init).get("trainer", {})
+        self.trainer_defaults["callbacks"] = run_callbacks(runs.run_identity(config.as_dict()), trainer_config)
         if self.save_config_callback is not None and issubclass(self.save_config_callback, _SaveRunConfig):
-            _SaveRunConfig.resume_step = self._resume.step if self._resume is not None else None
+            self.save_config_kwargs["resume_step"] = self._resume.step if self._resume is not None else None
         trainer = super().instantiate_trainer(**kwargs)
-        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
-            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         if self._resume is not None and self._resume.run_dir is not None:
             for logger in trainer.loggers:  # the curves continue: later events of the old run are purged
                 if isinstance(logger, TensorBoardLogger):
-                    logger._kwargs["purge_step"] = self._resume.step
+                    compat.set_purge_step(logger, self._resume.step)
         return trainer
-
-    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
-        return super()._instantiate_trainer(config, [*callbacks, *getattr(self, "_extra_callbacks", [])])
 
     def before_fit(self) -> None:
         self._started = time.perf_counter()
@@ -259,13 +242,6 @@ class RLCLI(LightningCLI):
         if log_dir:
             rank_zero_info(f"rl-lightning: run directory {os.path.abspath(log_dir)} ({verb}); checkpoints in "
                            f"{checkpoint_dir(self.trainer).resolve()}")
-
-    def _run_subcommand(self, subcommand: str) -> None:
-        try:
-            super()._run_subcommand(subcommand)
-        except BaseException:
-            self._remove_empty_run()  # a run that failed in its setup leaves no directory behind
-            raise
 
     def _remove_empty_run(self) -> bool:
         """Remove a new run's directory when the run logged nothing (it failed in setup, or had ``max_steps``
@@ -309,14 +285,6 @@ class RLCLI(LightningCLI):
         rank_zero_info("rl-lightning: " + "; ".join(parts))
 
 
-def _progress_bar_class() -> type | None:
-    try:
-        from rl_lightning.callbacks.progress import RLProgressBar
-    except ImportError:
-        return None
-    return RLProgressBar
-
-
 def _duration(seconds: float) -> str:
     minutes, secs = divmod(int(round(seconds)), 60)
     return f"{minutes}m{secs:02d}s" if minutes else f"{seconds:.1f}s"
@@ -334,7 +302,8 @@ def build_cli(args: list[str] | dict[str, Any] | None = None, run: bool = True, 
         subclass_mode_data=True,
         save_config_callback=_SaveRunConfig if save_config else None,
         save_config_kwargs={"overwrite": True},
-        parser_class=_Parser,
+        trainer_defaults={"plugins": [{"class_path": "rl_lightning.callbacks.AtomicCheckpointIO"}]},
+        parser_class=Parser,
         auto_configure_optimizers=False,
         args=args,
         run=run,
@@ -395,49 +364,6 @@ def _section(exc: BaseException) -> str:
     return section
 
 
-def _parse_error_line(message: str, args: list[str]) -> str:
-    """One line for a refused configuration: every problem ``config_check`` finds, else jsonargparse's gist."""
-    subcommand_args = args[1:] if args and not args[0].startswith("-") else args
-    problems = config_check.check(subcommand_args)
-    if problems:
-        return "; ".join(str(p) for p in problems)
-    return _jsonargparse_gist(message)
-
-
-#: jsonargparse's lines about the union it tried, not about the problem
-_UNION_NOISE = re.compile(r"(Does not validate against any|Subtypes:|Errors:|Given value|Expected a <class 'NoneType'>|"
-                          r"Expected a path but|Problem with given class_path)")
-
-
-def _jsonargparse_gist(message: str) -> str:
-    """``key: cause`` from jsonargparse's nested message: the innermost causes, under the chain of keys
-    (``Parser key "data"`` > ``"task"`` > ``"operations"`` -> ``data.init_args.task.init_args.operations``)."""
-    lines = [(len(line) - len(line.lstrip()), line.strip().removeprefix("- ").strip())
-             for line in message.splitlines() if line.strip()]
-    keys: list[tuple[int, str]] = []  # the open "Parser key" chain: (indent, key)
-    causes: list[tuple[int, list[str], str]] = []  # (indent, keys above it, text)
-    for indent, text in lines:
-        keys = [(i, k) for i, k in keys if i < indent]
-        key = re.match(r'Parser key "([^"]+)"', text)
-        if key:
-            keys.append((indent, key.group(1)))
-        elif text and not _UNION_NOISE.match(text):
-            causes.append((indent, [k for _, k in keys], text))
-    if not causes:
-        return lines[0][1] if lines else message
-    depth = max(indent for indent, _, _ in causes)
-    chain = next(chain for indent, chain, _ in causes if indent == depth)
-    nested = re.search(r"NestedArg\(key='([^']+)'", message)
-    if len(chain) == 1 and nested:
-        chain = [*chain, nested.group(1)]
-    texts = "; ".join(dict.fromkeys(text for indent, _, text in causes if indent == depth))
-    if not chain:
-        return texts
-    path = chain[0] + "".join(f".{k}" if k.startswith(("init_args", "class_path")) else f".init_args.{k}"
-                              for k in chain[1:])
-    return f"{path}: {texts}"
-
-
 def _negative_values(args: list[str]) -> list[str]:
     """``--key -1e-4`` -> ``--key=-1e-4`` (argparse would take the negative number for an option)."""
     out: list[str] = []
@@ -474,7 +400,7 @@ def cli_main(argv: list[str] | None = None) -> None:
     except ConfigParseError as exc:
         if traceback_wanted:
             raise
-        _fail(_parse_error_line(str(exc), args), 2)
+        _fail(config_check.error_line(str(exc), args), 2)
     except Exception as exc:  # noqa: BLE001 -- re-raised unless it is a user error
         if traceback_wanted:
             raise

@@ -3,11 +3,9 @@ the problem; configuration errors exit with status 2."""
 
 from __future__ import annotations
 
-from typing import Literal, Optional
-
 import pytest
 
-from rl_lightning import config_check
+from rl_lightning import compat, config_check
 from rl_lightning.cli import _negative_values, cli_main
 from tests.conftest import REPO
 
@@ -40,13 +38,21 @@ def test_every_unknown_key_is_reported_with_the_closest_valid_name(capsys, tmp_p
         "unknown key: Trainer has no argument 'max_step' (did you mean max_steps?)")
 
 
-def test_a_wrong_type_names_the_key_and_the_expected_type(capsys):
+def test_a_wrong_type_names_the_key_the_expected_type_and_where_it_was_set(capsys, tmp_path):
+    """jsonargparse's own message, cut to its innermost cause under the full key, with the key's file and line."""
     code, line = error_line(capsys, "--model.init_args.optimizer.init_args.lr", "fast")
     assert code == 2
-    assert line == ("rl-lightning: error: command line: model.init_args.optimizer.init_args.lr: expected float or "
-                    "Tensor, got 'fast'")
+    assert line == ("rl-lightning: error: command line: model.init_args.optimizer.init_args.lr: Expected a "
+                    "<class 'float'>. Got value: fast")
     code, line = error_line(capsys, "--data.init_args.group_size", "many")
-    assert (code, line) == (2, "rl-lightning: error: command line: data.init_args.group_size: expected int, got 'many'")
+    assert (code, line) == (2, "rl-lightning: error: command line: data.init_args.group_size: Expected a "
+                               "<class 'int'>. Got value: many")
+    preset = tmp_path / "preset.yaml"
+    preset.write_text("trainer:\n  callbacks:\n    - class_path: rl_lightning.callbacks.KLRegularizer\n"
+                      "      init_args:\n        target: referense\n")
+    code, line = error_line(capsys, "--config", str(preset))
+    assert (code, line) == (2, f"rl-lightning: error: {preset}:5: trainer.callbacks[0].init_args.target: Expected a "
+                               "typing.Literal['reference', 'sampler']. Got value: referense")
 
 
 def test_a_negative_number_is_a_value_and_the_optimiser_refusing_it_is_one_line(capsys, tmp_path, monkeypatch):
@@ -69,21 +75,12 @@ def test_negative_values_are_joined_to_their_option():
     assert _negative_values(["--a=-1", "-2"]) == ["--a=-1", "-2"]  # already joined: left alone
 
 
-def test_type_problem_on_plain_annotations():
-    assert config_check.type_problem(3, int) is None
-    assert config_check.type_problem(True, int) == "expected int, got True"
-    assert config_check.type_problem(3, float) is None
-    assert config_check.type_problem("x", Optional[float]) == "expected float or null, got 'x'"
-    assert config_check.type_problem("k4", Literal["k1", "k3"]) == "expected 'k1' | 'k3', got 'k4'"
-    assert config_check.type_problem("anything", list[int]) is None  # not a plain type: not judged here
-
-
-def test_init_parameters_follow_kwargs_up_the_hierarchy():
+def test_the_check_reads_a_classs_arguments_as_jsonargparse_does():
     from rl_lightning.algorithms import GRPO
 
-    params = config_check.init_parameters(GRPO)
+    params = compat.signature_parameters(GRPO)  # along **kwargs up the hierarchy
     assert {"clip_eps_low", "model_name_or_path", "optimizer", "micro_batch_size"} <= set(params)
-    assert "kwargs" not in params
+    assert "kwargs" not in params and params["clip_eps_low"] is float
 
 
 @pytest.mark.parametrize("args, line", [
@@ -131,8 +128,6 @@ def test_an_option_for_the_last_callback_says_which_callback_takes_it(capsys):
 
 
 def test_what_the_check_cannot_judge_keeps_jsonargparses_innermost_cause():
-    from rl_lightning.cli import _parse_error_line
-
     message = """Parser key "data":
   Does not validate against any of the Union subtypes
   Subtypes: [<class 'rl_lightning.rollout.datamodule.RolloutDataModule'>, <class 'NoneType'>]
@@ -151,7 +146,7 @@ def test_what_the_check_cannot_judge_keeps_jsonargparses_innermost_cause():
     - Expected a <class 'NoneType'>
   Given value type: <class 'jsonargparse._util.NestedArg'>
   Given value: NestedArg(key='task.init_args.operations', val='5')"""
-    assert _parse_error_line(message, []) == "data.init_args.task.init_args.operations: Expected a <class 'list'>"
+    assert config_check.error_line(message, []) == "data.init_args.task.init_args.operations: Expected a <class 'list'>"
     message = """Parser key "trainer.logger":
   Does not validate against any of the Union subtypes
   Errors:
@@ -161,7 +156,7 @@ def test_what_the_check_cannot_judge_keeps_jsonargparses_innermost_cause():
         Option 'bogus' is not accepted
     - Expected a <class 'bool'>
   Given value: NestedArg(key='bogus', val='1')"""
-    assert _parse_error_line(message, []) == "trainer.logger.init_args.bogus: Option 'bogus' is not accepted"
+    assert config_check.error_line(message, []) == "trainer.logger.init_args.bogus: Option 'bogus' is not accepted"
 
 
 def test_a_prompt_file_line_without_an_answer_lists_its_keys(capsys, tmp_path):

@@ -1,7 +1,7 @@
 """BPCO (spec 000, "Changing what critics see", BPCO; NOTES §12, §20): PPO whose critic is grounded in observed
 outcomes and whose clip bounds an absolute probability change.
 
-* **Grounded, bounded critic**: ``R_min <= V(s_t) <= R_max`` (the bounded head of ``ActorCritic``:
+* **Grounded, bounded critic**: ``R_min <= V(s_t) <= R_max`` (the bounded head of ``CriticLearner``:
   ``V = R_min + (R_max - R_min) sigmoid(h)``), fitted to the observed final reward, ``L_V = E[(V(s_t) - R)^2]``
   (``λ_V = 1``: the target at every token is the discounted reward-to-go, ``R`` with ``γ = 1``; never a target
   built from the critic's own predictions);
@@ -15,7 +15,7 @@ outcomes and whose clip bounds an absolute probability change.
   bonus are PPO's.
 
 The spec's optional reference answers or rubrics that enter only the critic: ``critic: separate`` with
-``critic_reference: "answer: {answer}\n"`` (``ActorCritic``: the critic reads the filled template before each
+``critic_reference: "answer: {answer}\n"`` (``CriticLearner``: the critic reads the filled template before each
 prompt; the policy never sees it).
 """
 

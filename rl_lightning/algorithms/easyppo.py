@@ -9,7 +9,7 @@ with three changes to how the critic and the actor see the batch.
   the reference's parametrisation; β = 0.5, ``w_min = 0.25``): high-variance prompts count less, their targets
   unchanged.
 * **Smaller critic minibatches**: the critic is trained in its own passes of ``critic_minibatches`` minibatches
-  (the reference: 4 per rollout batch), each gradient clipped to ``critic_max_grad_norm`` (``ActorCritic``'s
+  (the reference: 4 per rollout batch), each gradient clipped to ``critic_max_grad_norm`` (``CriticLearner``'s
   schedule), so an outlier suppresses only its own minibatch through the shared rescaling.
 
 The actor keeps PPO's clipped objective. A critic-only warm-up (the reference: 30 steps) is the ``CriticWarmup``
@@ -39,7 +39,7 @@ class EasyPPO(PPO):
             0.25 is a variance floor of 0.0625, so for 0/1 rewards, ``σ ≤ 0.5``, the weights span at most 2x).
         variance_beta: β of ``w = 1 / max(Var^β, w_min)``.
         filter_truncated: apply ``C_i`` to the actor (``False``: every response trains the actor, as PPO).
-        critic_updates, critic_minibatches, critic_max_grad_norm: ``ActorCritic``'s schedule; the defaults are the
+        critic_updates, critic_minibatches, critic_max_grad_norm: the CriticLearner's schedule; the defaults are the
             reference's (one critic pass of 4 minibatches per rollout batch, each clipped to norm 1).
         **kwargs: ``PPO`` arguments. Needs ``data.group_size >= 2`` (a prompt's reward variance).
 

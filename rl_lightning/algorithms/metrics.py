@@ -165,20 +165,17 @@ def step_metrics(stats: dict[str, list[Tensor]], batch: Any, update_time: float)
 
 
 def log_step(module: Any, metrics: dict[str, Tensor], step: int, batch_size: int) -> None:
-    """Average ``metrics`` over ranks and write them at ``step`` (the rollout's index, before its update).
+    """Average ``metrics`` over ranks (one all-reduce) and log them through ``module.log_dict``.
 
-    They go to the loggers directly, one point per rollout step, so the x-axis is the same as for ``val/reward``
-    and stays right across resumes; ``module.log`` feeds the progress bar and callbacks (``reward``: the bar's).
+    Lightning writes them to the loggers at the end of the training step at its step counter for logging, the
+    number of rollout batches before this one: ``step`` (the same x-axis as ``val/reward``, kept across resumes),
+    every ``trainer.log_every_n_steps`` steps (every shipped config sets 1). ``reward`` is the progress bar's.
     """
     names = list(metrics)
     values = module.ranks.mean(torch.stack([metrics[k].detach().float().to(module.device).reshape(()) for k in names]))
     reduced = dict(zip(names, values))
-    module.log_dict(reduced, on_step=True, on_epoch=False, logger=False, batch_size=batch_size)
+    module.log_dict(reduced, on_step=True, on_epoch=False, logger=True, batch_size=batch_size)
     module.log("reward", reduced["train/reward"], prog_bar=True, logger=False, batch_size=batch_size)
-    if module.trainer.is_global_zero:
-        scalars = {k: float(v) for k, v in reduced.items()}
-        for logger in module.loggers:
-            logger.log_metrics(scalars, step=step)
 
 
 class StepLogging:

@@ -10,7 +10,7 @@
 * **Skip-observation GAE**: ``λ_actor = 1 - 1/(1.5 L)`` per trajectory of ``L`` model tokens, critic ``λ = 1``;
   the recursion runs over model-generated tokens only (observation tokens of tool or environment feedback are
   context, skipped), the outcome reward on the last *model-generated* token, terminal value 0
-  (``ActorCritic.length_adaptive_advantages``).
+  (``CriticLearner.length_adaptive``).
 * **Critic updates**: two critic passes per actor update on the fixed returns (``critic_updates: 2``), a
   critic-only warm-up and frozen critic attention (the ``CriticWarmup`` and ``FreezeCriticModules`` callbacks,
   ``configs/sao.yaml``).
