@@ -21,7 +21,7 @@ import copy
 from abc import ABC, abstractmethod
 from typing import Any
 
-from rl_lightning.envs.base import Prompt, RewardError, RewardFunction, checked_reward, score
+from rl_lightning.envs.rewards import Prompt, RewardError, RewardFunction, checked_reward, score
 
 StepResult = tuple[str, float, bool, bool, dict[str, Any]]
 
