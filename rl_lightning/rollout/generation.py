@@ -41,6 +41,26 @@ class Generation:
     topk_logprobs: Tensor | None = None  # [N, T, k] their log-probs, normalised over the full vocabulary
     aux_ids: Tensor | None = None  # [N, T, K] K extra draws from the sampling distribution (on request)
 
+    @property
+    def finish_reasons(self) -> list[str]:
+        """Why each row ended: ``"stop"`` (its EOS) or ``"length"`` (``max_new_tokens`` without one)."""
+        return ["length" if cut else "stop" for cut in self.truncated.tolist()]
+
+    @classmethod
+    def from_lists(cls, ids: list[list[int]], logprobs: list[list[float]], finish_reasons: list[str],
+                   pad_token_id: int, device: torch.device | str = "cpu") -> Generation:
+        """The ``[N, T]`` layout of per-row sampled ids and log-probs (an external engine's output; EOS included
+        in a row that stopped), right-padded with ``pad_token_id``."""
+        width = max(1, max(len(row) for row in ids))
+        response = torch.full((len(ids), width), pad_token_id, dtype=torch.long)
+        logps = torch.zeros((len(ids), width))
+        for i, (row, lps) in enumerate(zip(ids, logprobs)):
+            response[i, :len(row)] = torch.tensor(row, dtype=torch.long)
+            logps[i, :len(row)] = torch.tensor(lps, dtype=torch.float32)
+        mask = (torch.arange(width) < torch.tensor([len(row) for row in ids]).unsqueeze(1)).long()
+        truncated = torch.tensor([reason == "length" for reason in finish_reasons])
+        return cls(response.to(device), logps.to(device), mask.to(device), truncated.to(device))
+
 
 def sampler_extras(logp_all: Tensor, topk: int, aux_draws: int, aux_generator: torch.Generator | None
                    ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
@@ -66,14 +86,32 @@ def check_compact_below(value: float, owner: str = "sample") -> float:
     return value
 
 
-def _cache_argument(model: nn.Module) -> str:
+def cache_argument(model: nn.Module) -> str:
     """The forward keyword of the KV cache: ``cache`` (transformers >= 5.2x) or ``past_key_values`` (older)."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def _returned_cache(out: object) -> object:
+def returned_cache(out: object) -> object:
+    """The KV cache a forward returned (``out.cache`` or the older ``out.past_key_values``)."""
     cache = getattr(out, "cache", None)
     return cache if cache is not None else getattr(out, "past_key_values", None)
+
+
+_cache_argument, _returned_cache = cache_argument, returned_cache  # old names, until algorithms/base.py moves
+
+
+def draw(logits: Tensor, temperature: float, top_p: float, greedy: bool, generator: torch.Generator | None
+         ) -> tuple[Tensor, Tensor, Tensor]:
+    """One token per row of next-token ``logits`` ``[N, V]``: ``(token [N], its log-prob [N], the sampling
+    distribution's log-probs [N, V])``, drawn from ``softmax(top_p(logits / temperature))`` with ``generator``
+    (``greedy``: the argmax of the raw logits; the log-probs stay the tempered distribution's)."""
+    scaled = sampling_logits(logits, temperature, top_p)  # [N, V]
+    logp_all = torch.log_softmax(scaled, dim=-1)
+    if greedy:
+        token = logits.argmax(dim=-1)
+    else:  # softmax, not exp(log_softmax): the same draw as Hugging Face's sampler for the same RNG state
+        token = torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=generator).squeeze(-1)
+    return token, logp_all.gather(-1, token.unsqueeze(-1)).squeeze(-1), logp_all
 
 
 def expandable_cache(cache: object) -> bool:
@@ -180,14 +218,14 @@ def prefill(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, positio
         first, inverse = shared
         out = model(input_ids=input_ids[first], attention_mask=attention_mask[first], position_ids=positions[first],
                     use_cache=True, logits_to_keep=1)
-        cache = _returned_cache(out)
+        cache = returned_cache(out)
         if expandable_cache(cache):
             cache.batch_select_indices(inverse)
             return cache, out.logits[:, -1][inverse]
         unshareable(model, cache)
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True,
                 logits_to_keep=1)
-    return _returned_cache(out), out.logits[:, -1]
+    return returned_cache(out), out.logits[:, -1]
 
 
 @torch.no_grad()
@@ -238,7 +276,7 @@ def sample(
     attention_mask = attention_mask.long()
     positions = position_ids_from_mask(attention_mask)
     cache, logits = prefill(model, input_ids, attention_mask, positions, share_prefill)
-    cache_kw = _cache_argument(model)
+    cache_kw = cache_argument(model)
     if not bool(torch.isfinite(logits).all()):
         raise FloatingPointError("sample: the model's next-token logits for the prompts are not finite (NaN/inf): "
                                  "its weights or activations have diverged")
@@ -254,13 +292,7 @@ def sample(
     for step in range(max_new_tokens):
         if rows.numel() < batch:  # finished rows were dropped: scatter into a full-size [N, V] table
             logits = logits.new_zeros(batch, logits.shape[-1]).index_copy_(0, rows, logits)
-        scaled = sampling_logits(logits, temperature, top_p)  # [N, V]
-        logp_all = torch.log_softmax(scaled, dim=-1)
-        if greedy:
-            token = logits.argmax(dim=-1)
-        else:  # softmax, not exp(log_softmax): the same draw as Hugging Face's sampler for the same RNG state
-            token = torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=generator).squeeze(-1)
-        logp = logp_all.gather(-1, token.unsqueeze(-1)).squeeze(-1)
+        token, logp, logp_all = draw(logits, temperature, top_p, greedy, generator)
         active = ~finished
         if topk or aux_draws:
             extras.append(sampler_extras(logp_all, topk, aux_draws, aux_generator))
@@ -287,7 +319,7 @@ def sample(
             attention_mask = torch.cat([attention_mask, active[rows].long().unsqueeze(-1)], dim=-1)
             out = model(input_ids=token[rows].unsqueeze(-1), attention_mask=attention_mask, position_ids=next_pos,
                         use_cache=True, **{cache_kw: cache})
-            cache, logits = _returned_cache(out), out.logits[:, -1]
+            cache, logits = returned_cache(out), out.logits[:, -1]
         next_pos = next_pos + 1
     mask = torch.stack(masks, dim=1)
     stacked = [None if column[0] is None else torch.stack(column, dim=1).masked_fill(~mask.unsqueeze(-1), 0)
