@@ -23,10 +23,11 @@ import torch
 from lightning.pytorch import Callback, LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from rl_lightning.algorithms.advantages import Advantages
 from rl_lightning.algorithms.checks import check_settings
-from rl_lightning.algorithms.distributed import Ranks
+from rl_lightning.algorithms.distributed import Ranks, shard_fully
 from rl_lightning.algorithms.evaluation import HeldoutEvaluation
 from rl_lightning.algorithms.forward import LearnerForward, PolicyOutput, with_proximal_logprobs
 from rl_lightning.algorithms.metrics import (
@@ -241,6 +242,15 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
         """The collectives of this run (``Ranks``; one process outside a Trainer)."""
         return Ranks(self._trainer)
 
+    def configure_model(self) -> None:
+        """Under ``ModelParallelStrategy`` (FSDP2: ``trainer.strategy`` with a ``data_parallel`` mesh), shard the policy
+        and the critic one decoder block at a time (``distributed.shard_fully``); nothing otherwise."""
+        if self.device_mesh is not None:
+            mesh = self.device_mesh["data_parallel"]
+            shard_fully(self.policy, mesh)
+            if getattr(self, "critic", None) is not None:
+                shard_fully(self.critic, mesh, forward_methods=("values",))
+
     def configure_callbacks(self) -> list[Callback]:
         """The callbacks every run of a method needs: the held-out evaluation (``val/reward``)."""
         return [HeldoutEvaluation()]
@@ -293,6 +303,7 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
     def _optimizer_step(self, optimizer: Any, metrics: UpdateMetrics, iteration: int, index: int, last: bool) -> None:
         params = [p for p in self.trainable_parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm or float("inf"))
+        grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm  # FSDP: the global norm
         self._check_finite(grad_norm, "gradient norm", iteration, index)
         metrics.add("train/grad_norm", grad_norm)
         (optimizer.step if last else optimizer.optimizer.step)()  # only the last is Lightning's: global_step counts batches

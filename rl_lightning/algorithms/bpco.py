@@ -29,6 +29,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from rl_lightning.algorithms.advantages import Advantages
+from rl_lightning.algorithms.checks import check_settings
 from rl_lightning.algorithms.base import Metrics, PolicyOutput
 from rl_lightning.algorithms.critic import GAE_LAMBDA
 from rl_lightning.algorithms.metrics import clip_metrics
@@ -59,8 +60,8 @@ class BPCO(PPO):
                  whiten_advantages: bool = False, **kwargs: Any) -> None:
         super().__init__(value_bounds=value_bounds, value_clip=value_clip, whiten_advantages=whiten_advantages,
                          **kwargs)
-        if not alpha > 0 or not divergence_eps > 0:
-            raise ValueError(f"BPCO: alpha and divergence_eps must be > 0, got {alpha}, {divergence_eps}")
+        check_settings(self, [("alpha", alpha, alpha > 0, "must be > 0"),
+                              ("divergence_eps", divergence_eps, divergence_eps > 0, "must be > 0")])
         self.alpha, self.divergence_eps = float(alpha), float(divergence_eps)
 
     @override

@@ -16,6 +16,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from rl_lightning.algorithms.advantages import Advantages
+from rl_lightning.algorithms.checks import check_settings
 from rl_lightning.algorithms.base import Metrics, PolicyOutput
 from rl_lightning.algorithms.metrics import Summed
 from rl_lightning.algorithms.grpo import GRPO
@@ -53,9 +54,8 @@ class CoPE(GRPO):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        if forecast_coef < 0 or forecast_horizon < 1:
-            raise ValueError(f"CoPE: need forecast_coef >= 0 and forecast_horizon >= 1, got {forecast_coef}, "
-                             f"{forecast_horizon}")
+        check_settings(self, [("forecast_coef", forecast_coef, forecast_coef >= 0, "must be >= 0"),
+                              ("forecast_horizon", forecast_horizon, forecast_horizon >= 1, "must be >= 1")])
         self.forecast_coef = forecast_coef
         self.forecast_horizon = forecast_horizon
         self.success_threshold = success_threshold

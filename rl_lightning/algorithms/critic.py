@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from rl_lightning.algorithms.advantages import Advantages
+from rl_lightning.algorithms.checks import check_settings
 from rl_lightning.algorithms.forward import PolicyOutput
 from rl_lightning.algorithms.metrics import Metrics, Summed, TokenMean
 from rl_lightning.functional import (
@@ -64,19 +65,18 @@ class CriticLearner:
                  lr: float | None = None, value_bounds: tuple[float, float] | None = None,
                  value_clip: float | None = 0.2, updates: int = 0, minibatches: int = 1,
                  max_grad_norm: float | None = None, reference: str | None = None) -> None:
-        name = type(module).__name__
-        checks = {"critic_lr": lr is None or lr > 0, "value_clip": value_clip is None or value_clip > 0,
-                  "critic_updates": updates >= 0, "critic_minibatches": minibatches >= 1,
-                  "critic_max_grad_norm": max_grad_norm is None or max_grad_norm > 0,
-                  "value_bounds": value_bounds is None or (len(value_bounds) == 2 and value_bounds[0] < value_bounds[1])}
-        given = {"critic_lr": lr, "value_clip": value_clip, "critic_updates": updates, "critic_minibatches": minibatches,
-                 "critic_max_grad_norm": max_grad_norm, "value_bounds": value_bounds}
-        for key, ok in checks.items():
-            if not ok:
-                raise ValueError(f"{name}: invalid {key}={given[key]!r}")
-        if reference is not None and (mode != "separate" or "{answer}" not in reference):
-            raise ValueError(f"{name}: critic_reference needs critic: separate (a head on the policy would let the "
-                             f"policy read it) and an {{answer}} field, got critic={mode!r}, critic_reference={reference!r}")
+        check_settings(module, [
+            ("critic_lr", lr, lr is None or lr > 0, "must be > 0 or null"),
+            ("value_clip", value_clip, value_clip is None or value_clip > 0, "must be > 0 or null"),
+            ("critic_updates", updates, updates >= 0, "must be >= 0"),
+            ("critic_minibatches", minibatches, minibatches >= 1, "must be >= 1"),
+            ("critic_max_grad_norm", max_grad_norm, max_grad_norm is None or max_grad_norm > 0, "must be > 0 or null"),
+            ("value_bounds", value_bounds, value_bounds is None or (len(value_bounds) == 2
+                                                                    and value_bounds[0] < value_bounds[1]),
+             "must be [R_min, R_max] with R_min < R_max, or null"),
+            ("critic_reference", reference, reference is None or (mode == "separate" and "{answer}" in reference),
+             f"needs critic: separate (a head on the policy would let the policy read it) and an {{answer}} field "
+             f"(critic={mode!r})")])
         self.module, self.mode, self.lr, self.value_clip = module, mode, lr, value_clip
         self.updates, self.minibatches, self.max_grad_norm, self.reference = updates, minibatches, max_grad_norm, reference
         bounds = None if value_bounds is None else (float(value_bounds[0]), float(value_bounds[1]))

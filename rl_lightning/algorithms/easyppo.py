@@ -25,6 +25,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from rl_lightning.algorithms.advantages import Advantages
+from rl_lightning.algorithms.checks import check_settings
 from rl_lightning.algorithms.critic import VALUE_WEIGHTS
 from rl_lightning.algorithms.ppo import PPO
 from rl_lightning.functional import variance_weights
@@ -53,8 +54,8 @@ class EasyPPO(PPO):
                  **kwargs: Any) -> None:
         super().__init__(critic_updates=critic_updates, critic_minibatches=critic_minibatches,
                          critic_max_grad_norm=critic_max_grad_norm, **kwargs)
-        if not w_min > 0 or variance_beta < 0:
-            raise ValueError(f"EasyPPO: need w_min > 0 and variance_beta >= 0, got {w_min}, {variance_beta}")
+        check_settings(self, [("w_min", w_min, w_min > 0, "must be > 0"),
+                              ("variance_beta", variance_beta, variance_beta >= 0, "must be >= 0")])
         self.w_min, self.variance_beta = float(w_min), float(variance_beta)
         self.filter_truncated = filter_truncated
 

@@ -21,6 +21,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from rl_lightning.algorithms.advantages import Advantages
+from rl_lightning.algorithms.checks import check_settings
 from rl_lightning.algorithms.base import Metrics, PolicyOutput
 from rl_lightning.algorithms.metrics import Summed, TokenMean
 from rl_lightning.algorithms.pg import PolicyGradient
@@ -62,21 +63,13 @@ class FlashREINFORCE(PolicyGradient):
     def __init__(self, delta: float = 5e-3, loss_aggregation: AggregationMode = "seq_mean_token_mean",
                  **kwargs: Any) -> None:
         super().__init__(loss_aggregation=loss_aggregation, **kwargs)
-        if not delta > 0:
-            raise ValueError(f"FlashREINFORCE: delta must be > 0, got {delta}")
-        if loss_aggregation != "seq_mean_token_mean":
-            raise ValueError(
-                f"FlashREINFORCE: loss_aggregation must be seq_mean_token_mean (the spec's equal trajectory "
-                f"weight, 1/B Σ_i 1/T_i Σ_t), got {loss_aggregation!r}"
-            )
-        if self.num_minibatches != 1:
-            raise ValueError(
-                f"FlashREINFORCE takes one update per fresh batch: num_minibatches must be 1, got "
-                f"{self.num_minibatches}"
-            )
-        if self.tis_cap is not None:
-            raise ValueError("FlashREINFORCE: tis_cap is not supported (its own importance ratio is unclipped, "
-                             "with the trajectory gate as the trust region)")
+        check_settings(self, [
+            ("delta", delta, delta > 0, "must be > 0"),
+            ("loss_aggregation", loss_aggregation, loss_aggregation == "seq_mean_token_mean",
+             "must be seq_mean_token_mean (the spec's equal trajectory weight, 1/B Σ_i 1/T_i Σ_t)"),
+            ("num_minibatches", self.num_minibatches, self.num_minibatches == 1, "must be 1 (one update per fresh batch)"),
+            ("tis_cap", self.tis_cap, self.tis_cap is None,
+             "must be null (its own importance ratio is unclipped, with the trajectory gate as the trust region)")])
         self.delta = float(delta)
 
     @override

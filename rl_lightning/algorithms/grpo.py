@@ -13,6 +13,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from rl_lightning.algorithms.advantages import Advantages
+from rl_lightning.algorithms.checks import check_settings
 from rl_lightning.algorithms.base import Metrics, PolicyOutput, RLModule
 from rl_lightning.algorithms.metrics import clip_metrics
 from rl_lightning.algorithms.pg import tis_weighted
@@ -51,12 +52,11 @@ class GRPO(RLModule):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        if tis_cap is not None and not tis_cap > 0:
-            raise ValueError(f"{type(self).__name__}: tis_cap must be > 0 or null, got {tis_cap}")
+        check_settings(self, [("tis_cap", tis_cap, tis_cap is None or tis_cap > 0, "must be > 0 or null"),
+                              ("clip_eps_low", clip_eps_low, 0 <= clip_eps_low < 1, "must be in [0, 1)"),
+                              ("clip_eps_high", clip_eps_high, clip_eps_high >= 0, "must be >= 0")])
         self.tis_cap = tis_cap
         self.needs_proximal_logprobs = tis_cap is not None
-        if not (0 <= clip_eps_low < 1) or clip_eps_high < 0:
-            raise ValueError(f"GRPO: need 0 <= clip_eps_low < 1 and clip_eps_high >= 0, got {clip_eps_low}, {clip_eps_high}")
         self.clip_eps_low = clip_eps_low
         self.clip_eps_high = clip_eps_high
         self.scale_rewards = scale_rewards

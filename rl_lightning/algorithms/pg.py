@@ -15,6 +15,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from rl_lightning.algorithms.advantages import Advantages
+from rl_lightning.algorithms.checks import check_settings
 from rl_lightning.algorithms.base import Metrics, PolicyOutput, RLModule
 from rl_lightning.algorithms.metrics import TokenMean
 from rl_lightning.functional import (
@@ -53,18 +54,14 @@ class PolicyGradient(RLModule):
     def __init__(self, loss_aggregation: AggregationMode = "seq_mean_token_sum", tis_cap: float | None = None,
                  baseline: Baseline = "none", ema_decay: float = 0.9, **kwargs: Any) -> None:
         super().__init__(loss_aggregation=loss_aggregation, **kwargs)
-        if tis_cap is not None and not tis_cap > 0:
-            raise ValueError(f"{type(self).__name__}: tis_cap must be > 0 or null, got {tis_cap}")
-        if not 0.0 <= ema_decay < 1.0:
-            raise ValueError(f"{type(self).__name__}: ema_decay must be in [0, 1), got {ema_decay}")
+        check_settings(self, [
+            ("tis_cap", tis_cap, tis_cap is None or tis_cap > 0, "must be > 0 or null"),
+            ("ema_decay", ema_decay, 0.0 <= ema_decay < 1.0, "must be in [0, 1)"),
+            ("num_iterations", self.num_iterations, self.num_iterations == 1,
+             "must be 1 (an on-policy estimator; use PPO or GRPO for several passes over a batch)")])
         self.tis_cap, self.baseline, self.ema_decay = tis_cap, baseline, ema_decay
         self.register_buffer("reward_ema", torch.zeros(()))
         self.register_buffer("reward_ema_initialised", torch.zeros((), dtype=torch.bool))
-        if self.num_iterations != 1:
-            raise ValueError(
-                f"{type(self).__name__} is an on-policy estimator: num_iterations must be 1, got "
-                f"{self.num_iterations} (use PPO or GRPO for several passes over a batch)"
-            )
 
     @override
     def compute_advantages(self, batch: RolloutBatch) -> Tensor:

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from rl_lightning.algorithms.advantages import Advantages
+from rl_lightning.algorithms.checks import check_settings
 from rl_lightning.algorithms.base import Metrics, PolicyOutput, RLModule
 from rl_lightning.algorithms.critic import CriticLearner
 from rl_lightning.algorithms.metrics import Summed, clip_metrics
@@ -63,11 +64,12 @@ class PPO(RLModule):
                                             value_clip, critic_updates, critic_minibatches, critic_max_grad_norm,
                                             critic_reference)
         self.needs_hidden = self.critic_learner.reads_policy_hidden
-        checks = {"gamma": 0.0 <= gamma <= 1.0, "lam": 0.0 <= lam <= 1.0, "clip_eps_low": 0 <= clip_eps_low < 1,
-                  "clip_eps_high": clip_eps_high >= 0, "vf_coef": vf_coef >= 0, "entropy_coef": entropy_coef >= 0}
-        for name, ok in checks.items():
-            if not ok:
-                raise ValueError(f"{type(self).__name__}: invalid {name}={locals()[name]!r}")
+        check_settings(self, [("gamma", gamma, 0.0 <= gamma <= 1.0, "must be in [0, 1]"),
+                              ("lam", lam, 0.0 <= lam <= 1.0, "must be in [0, 1]"),
+                              ("clip_eps_low", clip_eps_low, 0 <= clip_eps_low < 1, "must be in [0, 1)"),
+                              ("clip_eps_high", clip_eps_high, clip_eps_high >= 0, "must be >= 0"),
+                              ("vf_coef", vf_coef, vf_coef >= 0, "must be >= 0"),
+                              ("entropy_coef", entropy_coef, entropy_coef >= 0, "must be >= 0")])
         self.gamma, self.lam = gamma, lam
         self.clip_eps_low, self.clip_eps_high = clip_eps_low, clip_eps_high
         self.vf_coef, self.entropy_coef = vf_coef, entropy_coef

@@ -25,6 +25,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from rl_lightning.algorithms.advantages import Advantages
+from rl_lightning.algorithms.checks import check_settings
 from rl_lightning.algorithms.base import Metrics, PolicyOutput
 from rl_lightning.algorithms.critic import GAE_LAMBDA
 from rl_lightning.algorithms.metrics import TokenMean
@@ -50,9 +51,9 @@ class SAO(PPO):
     def __init__(self, band_low: float = 0.3, band_high: float = 5.0, alpha: float = 1.5, critic_updates: int = 2,
                  whiten_advantages: bool = False, **kwargs: Any) -> None:
         super().__init__(critic_updates=critic_updates, whiten_advantages=whiten_advantages, **kwargs)
-        if not (0 <= band_low <= 1 and band_high >= 0 and alpha > 0):
-            raise ValueError(f"SAO: need 0 <= band_low <= 1, band_high >= 0 and alpha > 0, got {band_low}, "
-                             f"{band_high}, {alpha}")
+        check_settings(self, [("band_low", band_low, 0 <= band_low <= 1, "must be in [0, 1]"),
+                              ("band_high", band_high, band_high >= 0, "must be >= 0"),
+                              ("alpha", alpha, alpha > 0, "must be > 0")])
         self.band_low, self.band_high, self.alpha = float(band_low), float(band_high), float(alpha)
 
     @override

@@ -20,6 +20,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from rl_lightning.algorithms.advantages import Advantages
+from rl_lightning.algorithms.checks import check_settings
 from rl_lightning.algorithms.base import Metrics, PolicyOutput
 from rl_lightning.algorithms.metrics import TokenMean
 from rl_lightning.algorithms.pg import Baseline, PolicyGradient, score_metrics
@@ -48,13 +49,11 @@ class ScoreCentering(PolicyGradient):
     def __init__(self, importance_cap: float | None = None, tail_eps: float = TAIL_EPS, baseline: Baseline = "ema",
                  **kwargs: Any) -> None:
         super().__init__(baseline=baseline, **kwargs)
-        if importance_cap is not None and not importance_cap > 0:
-            raise ValueError(f"ScoreCentering: importance_cap must be > 0 or null, got {importance_cap}")
-        if not tail_eps > 0:
-            raise ValueError(f"ScoreCentering: tail_eps must be > 0, got {tail_eps}")
-        if self.tis_cap is not None:
-            raise ValueError("ScoreCentering: tis_cap would weight the score without centring the weights; "
-                             "use importance_cap (the importance-weighted centring) instead")
+        check_settings(self, [
+            ("importance_cap", importance_cap, importance_cap is None or importance_cap > 0, "must be > 0 or null"),
+            ("tail_eps", tail_eps, tail_eps > 0, "must be > 0"),
+            ("tis_cap", self.tis_cap, self.tis_cap is None, "must be null (it would weight the score without centring "
+             "the weights; use importance_cap, the importance-weighted centring)")])
         self.importance_cap = importance_cap
         self.tail_eps = tail_eps
 

@@ -19,6 +19,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from rl_lightning.algorithms.advantages import Advantages
+from rl_lightning.algorithms.checks import check_settings
 from rl_lightning.algorithms.grpo import GRPO
 from rl_lightning.envs.base import Prompt
 from rl_lightning.functional import (
@@ -56,9 +57,9 @@ class SPO(GRPO):
     ) -> None:
         super().__init__(**kwargs)
         spo_discount(torch.zeros(1), half_life, rho_min, rho_max)  # validates the three
-        if prior_alpha <= 0 or prior_beta <= 0 or explore < 0:
-            raise ValueError(f"SPO: need prior_alpha > 0, prior_beta > 0 and explore >= 0, got {prior_alpha}, "
-                             f"{prior_beta}, {explore}")
+        check_settings(self, [("prior_alpha", prior_alpha, prior_alpha > 0, "must be > 0"),
+                              ("prior_beta", prior_beta, prior_beta > 0, "must be > 0"),
+                              ("explore", explore, explore >= 0, "must be >= 0")])
         self.discount, self.rho_min, self.rho_max, self.half_life = discount, rho_min, rho_max, half_life
         self.prior = (float(prior_alpha), float(prior_beta))
         self.explore, self.prioritized, self.adv_eps = explore, prioritized, adv_eps

@@ -18,6 +18,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from rl_lightning.algorithms.advantages import Advantages
+from rl_lightning.algorithms.checks import check_settings
 from rl_lightning.algorithms.base import Metrics, PolicyOutput
 from rl_lightning.algorithms.pg import Baseline, PolicyGradient, score_metrics
 from rl_lightning.functional import mc_centered_loss
@@ -38,8 +39,8 @@ class StableReinforce(PolicyGradient):
 
     def __init__(self, baseline: Baseline = "ema", **kwargs: Any) -> None:
         super().__init__(baseline=baseline, **kwargs)
-        if self.tis_cap is not None:
-            raise ValueError("StableReinforce: tis_cap is not supported (the Monte-Carlo centring is unweighted)")
+        check_settings(self, [("tis_cap", self.tis_cap, self.tis_cap is None,
+                               "must be null (the Monte-Carlo centring is unweighted)")])
 
     @override
     def check_datamodule(self, datamodule: Any) -> None:

@@ -35,6 +35,7 @@ from typing_extensions import override
 
 from rl_lightning.algorithms.advantages import Advantages
 from rl_lightning.algorithms.base import Metrics, NonFiniteLossError, PolicyOutput, RLModule
+from rl_lightning.algorithms.checks import check_settings
 from rl_lightning.algorithms.critic import CriticLearner
 from rl_lightning.algorithms.natural_gradient import (
     apply_step, fisher_logits, step_metrics, trust_region_step, vocab_logprobs,
@@ -109,8 +110,8 @@ class TRPO(RLModule):
         whiten_advantages: bool = True,
         **kwargs: Any,
     ) -> None:
-        if not (isinstance(critic_steps, int) and critic_steps >= 1):
-            raise ValueError(f"TRPO: critic_steps must be >= 1, got {critic_steps!r}")
+        check_settings(self, [("critic_steps", critic_steps, isinstance(critic_steps, int) and critic_steps >= 1,
+                               "must be >= 1")])
         super().__init__(**kwargs)
         #: the critic, only with ``advantage_estimator: gae`` (fitted by Adam on ½ (V - R)² before the policy step)
         self.critic_learner = CriticLearner(self, critic, critic_model_name_or_path, critic_lr, value_clip=None,
@@ -136,9 +137,7 @@ class TRPO(RLModule):
             ("lr_scheduler", self.lr_scheduler_factory is None, "must be null (TRPO has no learning rate)",
              self.lr_scheduler_factory),
         ]
-        for name, ok, rule, value in checks:
-            if not ok:
-                raise ValueError(f"TRPO: {name} {rule}, got {value!r}")
+        check_settings(self, [(name, value, ok, rule) for name, ok, rule, value in checks])
         self.delta, self.damping = delta, damping
         self.cg_iters, self.backtrack_iters, self.backtrack_coeff = cg_iters, backtrack_iters, backtrack_coeff
         self.fisher_subsample, self.fisher_product = fisher_subsample, fisher_product
