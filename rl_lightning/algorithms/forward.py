@@ -21,9 +21,9 @@ from torch import Tensor, nn
 from rl_lightning.functional import sampling_logprobs, sampling_logprobs_at
 from rl_lightning.models.policy import load_policy
 from rl_lightning.rollout.batch import RolloutBatch
-from rl_lightning.rollout.generation import (  # TODO(issue 20): the public names once rollout exports them
-    _cache_argument as cache_argument, _returned_cache as returned_cache, can_share_prompts, distinct_rows,
-    expandable_cache, position_ids_from_mask, repeat_cache_rows, unshareable,
+from rl_lightning.rollout.generation import (
+    cache_argument, can_share_prompts, distinct_rows, expandable_cache, position_ids_from_mask, repeat_cache_rows,
+    returned_cache, unshareable,
 )
 
 
