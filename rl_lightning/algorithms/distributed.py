@@ -9,7 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
+
+from rl_lightning.models.sharding import full_state_dict, shard_fully  # noqa: F401 (the collectives' home)
 
 
 class Ranks:
@@ -48,29 +50,3 @@ class Ranks:
         torch.distributed.all_gather_object(gathered, obj)
         return gathered
 
-
-def shard_fully(model: nn.Module, mesh: Any, forward_methods: tuple[str, ...] = ()) -> None:
-    """FSDP2 (``torch.distributed.fsdp.fully_shard``) over ``mesh``: one unit per block the model names as not to
-    be split (Hugging Face's ``_no_split_modules``, e.g. ``LlamaDecoderLayer``), then the rest as the root's unit.
-
-    ``forward_methods``: methods other than ``forward`` that run the module (``Critic.values``), registered so
-    that they gather its parameters too. Code that reads the parameters without a forward (a sampler's own decode
-    loop) must work on a full copy (``full_state_dict``).
-    """
-    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
-
-    blocks = set(getattr(model, "_no_split_modules", None) or [])
-    for module in list(model.modules())[1:]:
-        if type(module).__name__ in blocks:
-            fully_shard(module, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    for name in forward_methods:
-        register_fsdp_forward_method(model, name)
-
-
-def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
-    """``model.state_dict()`` with every sharded (``DTensor``) entry gathered into a full tensor on every rank (a
-    collective under FSDP; a plain state dict otherwise)."""
-    from torch.distributed.tensor import DTensor
-
-    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
