@@ -23,6 +23,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -30,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_vs_trl import GROUP, MAX_NEW, PROMPTS_PER_STEP, SIZES, build_checkpoint, prompt_texts  # noqa: E402
 
-from rl_lightning.rollout import HFGenerateEngine, KVCacheEngine  # noqa: E402
+from rl_lightning.rollout import HFGenerateEngine, KVCacheEngine, SamplingParams  # noqa: E402
 
 ENGINES = {
     "hf-generate": HFGenerateEngine(),
@@ -41,15 +42,12 @@ ENGINES = {
 }
 
 
-def prompts(tok) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
-    rows = [tok(t, add_special_tokens=False)["input_ids"] for t in prompt_texts()[:PROMPTS_PER_STEP]
-            for _ in range(GROUP)]
-    width = max(map(len, rows))
-    ids = torch.tensor([[tok.pad_token_id] * (width - len(r)) + r for r in rows])
-    return ids, (ids != tok.pad_token_id).long()
+def prompts(tok) -> list[list[int]]:  # noqa: ANN001
+    """The step's distinct prompts as token ids (each sampled ``GROUP`` times: ``n=GROUP``)."""
+    return [tok(t, add_special_tokens=False)["input_ids"] for t in prompt_texts()[:PROMPTS_PER_STEP]]
 
 
-def with_eos_bias(model, ids, mask, eos: int, pad: int, target: float = 12.0):  # noqa: ANN001
+def with_eos_bias(model, rows, params: SamplingParams, target: float = 12.0):  # noqa: ANN001
     """A copy of ``model`` whose LM head adds a bias to ``eos``, sized so the mean response is ~``target`` tokens."""
     import copy
 
@@ -63,9 +61,8 @@ def with_eos_bias(model, ids, mask, eos: int, pad: int, target: float = 12.0):  
         mid = (low + high) / 2
         with torch.no_grad():
             biased.bias.zero_()
-            biased.bias[eos] = mid
-        gen = KVCacheEngine().generate(model, ids, mask, MAX_NEW, eos_token_id=eos, pad_token_id=pad,
-                                       generator=torch.Generator().manual_seed(0))
+            biased.bias[params.eos_token_id] = mid
+        gen = KVCacheEngine().bound(model).generate(rows, replace(params, seed=0), n=GROUP)
         low, high = (mid, high) if gen.mask.sum(1).float().mean() > target else (low, mid)
     return model
 
@@ -86,25 +83,24 @@ def main() -> None:
             ckpt = Path(tmp) / "ckpt"
             build_checkpoint(size, ckpt)
             tok, model = AutoTokenizer.from_pretrained(ckpt), AutoModelForCausalLM.from_pretrained(ckpt).eval()
-        ids, mask = prompts(tok)
-        eos, pad = tok.eos_token_id, tok.pad_token_id
-        for profile, profile_model in (("full", model), ("mixed", with_eos_bias(model, ids, mask, eos, pad))):
-            model = profile_model
-            kwargs = dict(max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=pad)
-            # every engine draws from the global RNG (generator=None), re-seeded before each call
+        rows = prompts(tok)
+        params = SamplingParams(max_tokens=MAX_NEW, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        for profile, profile_model in (("full", model), ("mixed", with_eos_bias(model, rows, params))):
+            engines = {name: engine.bound(profile_model) for name, engine in ENGINES.items()}
+            # every engine draws from the global RNG (seed None), re-seeded before each call
             torch.manual_seed(1)
-            reference = ENGINES["loop + both (default)"].generate(model, ids, mask, **kwargs)
-            for name, engine in ENGINES.items():
+            reference = engines["loop + both (default)"].generate(rows, params, n=GROUP)
+            for name, engine in engines.items():
                 torch.manual_seed(1)
-                out = engine.generate(model, ids, mask, **kwargs)
+                out = engine.generate(rows, params, n=GROUP)
                 if not torch.equal(out.response_ids, reference.response_ids):
                     sys.exit(f"{name} drew different tokens than the default engine ({size}, {profile})")
             times: dict[str, list[float]] = {name: [] for name in ENGINES}
             for rep in range(args.repeats):
-                for name, engine in ENGINES.items():
+                for name, engine in engines.items():
                     torch.manual_seed(rep)
                     start = time.perf_counter()
-                    engine.generate(model, ids, mask, **kwargs)
+                    engine.generate(rows, params, n=GROUP)
                     times[name].append(time.perf_counter() - start)
             length = float(reference.mask.sum(1).float().mean())
             cells = " | ".join(f"{statistics.median(t):.3f}" for t in times.values())

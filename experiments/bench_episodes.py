@@ -4,7 +4,8 @@
 
 Episodes of a scripted environment (every turn answered by a fixed-length observation, never ending before
 ``--turns``) are sampled from a random tiny Llama (hidden 128 and 384, the embedded default's architecture and
-the 10.8M one of bench_vs_trl.py) with ``sample_episodes(carry_cache=True)`` and ``(carry_cache=False)``,
+the 10.8M one of bench_vs_trl.py) in ``KVCacheEngine`` sessions, ``sample_episodes(carry_cache=True)`` and
+``(carry_cache=False)``,
 alternating, ``--repeats`` times each; the draws are the same, so both produce the same tokens. Prints
 tokens per second (sampled + observation tokens) and the ratio, per size.
 """
@@ -24,7 +25,7 @@ if str(REPO_ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from rl_lightning.models.policy import build_tiny_policy  # noqa: E402
-from rl_lightning.rollout.episodes import sample_episodes  # noqa: E402
+from rl_lightning.rollout import KVCacheEngine, SamplingParams, sample_episodes  # noqa: E402
 
 
 def run(model, tok, args, carry: bool, seed: int) -> tuple[float, int, torch.Tensor]:  # noqa: ANN001
@@ -36,12 +37,11 @@ def run(model, tok, args, carry: bool, seed: int) -> tuple[float, int, torch.Ten
     def observe(rows, actions):  # noqa: ANN001, ANN202
         return [list(obs) for _ in rows]
 
-    gen = torch.Generator().manual_seed(seed)
+    params = SamplingParams(max_tokens=args.turn_tokens, eos_token_id=eos, pad_token_id=tok.pad_token_id, seed=seed)
     start = time.perf_counter()
-    out = sample_episodes(model, prompts, observe, eos_token_id=eos, pad_token_id=tok.pad_token_id,
-                          max_turns=args.turns, max_turn_tokens=args.turn_tokens,
+    out = sample_episodes(KVCacheEngine().bound(model), prompts, observe, params=params, max_turns=args.turns,
                           max_episode_tokens=args.turns * (args.turn_tokens + args.obs_tokens) + 1,
-                          generator=gen, carry_cache=carry)
+                          carry_cache=carry)
     seconds = time.perf_counter() - start
     tokens = int((out.mask + out.obs_mask).sum())
     return seconds, tokens, out.response_ids

@@ -1,30 +1,42 @@
-"""Data production: prompt streams, generation with KV cache, and the ``RolloutBatch`` container."""
+"""Data production: prompt streams, rollout engines and strategies, and the ``RolloutBatch`` container."""
 
 from rl_lightning.rollout.batch import PromptBatch, RolloutBatch
+from rl_lightning.rollout.branching import Branch, BranchRollout
 from rl_lightning.rollout.datamodule import RolloutDataModule
-from rl_lightning.rollout.engines import HFGenerateEngine, KVCacheEngine, RolloutEngine
+from rl_lightning.rollout.encoding import PromptEncoder
+from rl_lightning.rollout.engine import EngineSession, RolloutEngine, SamplingParams, Turn, check_capabilities
+from rl_lightning.rollout.engines import HFGenerateEngine, KVCacheEngine, ModuleEngine
 from rl_lightning.rollout.episodes import EpisodeGeneration, sample_episodes
 from rl_lightning.rollout.generation import Generation, position_ids_from_mask, sample
 from rl_lightning.rollout.prompts import PromptSampler, SequentialSampler, WeightedSampler
-from rl_lightning.rollout.strategies import Branch, BranchRollout, GroupRollout, RolloutStrategy
+from rl_lightning.rollout.strategies import GroupRollout, RolloutContext, RolloutStrategy
+from rl_lightning.rollout.sync import SamplerSync
 
 __all__ = [
     "Branch",
     "BranchRollout",
-    "PromptSampler",
-    "SequentialSampler",
-    "WeightedSampler",
+    "EngineSession",
     "EpisodeGeneration",
-    "GroupRollout",
-    "RolloutStrategy",
-    "sample_episodes",
     "Generation",
+    "GroupRollout",
     "HFGenerateEngine",
     "KVCacheEngine",
+    "ModuleEngine",
     "PromptBatch",
+    "PromptEncoder",
+    "PromptSampler",
     "RolloutBatch",
+    "RolloutContext",
     "RolloutDataModule",
     "RolloutEngine",
+    "RolloutStrategy",
+    "SamplerSync",
+    "SamplingParams",
+    "SequentialSampler",
+    "Turn",
+    "WeightedSampler",
+    "check_capabilities",
     "position_ids_from_mask",
     "sample",
+    "sample_episodes",
 ]

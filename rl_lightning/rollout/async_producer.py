@@ -1,10 +1,11 @@
 """``RolloutProducer``: asynchronous rollouts (spec 000, SAO "Single-rollout sampling": collect trajectories
 asynchronously, so training need not wait for them).
 
-A background thread generates training batches with its own copy of the policy into a bounded queue while the
-learner updates. Each batch is stamped with the *policy version* that drew it -- the number of updates
-(``global_step``) the weights it sampled with had seen. The learner publishes its weights each time it takes a
-batch (``take``), and the producer loads the newest published weights before each generation, so a batch is
+A background thread generates training batches on the rollout engine, with weights of its own (for the
+in-process engines a copy of the policy; the ``SamplerSync`` owns them), into a bounded queue while the learner
+updates. Each batch is stamped with the *policy version* that drew it -- the number of updates (``global_step``)
+the weights it sampled with had seen. The learner publishes its weights each time it takes a batch (``take``),
+and the producer loads the newest published weights before each generation, so a batch is
 at most a few versions behind the learner; ``max_staleness`` bounds that: a batch older than the bound when the
 learner would consume it is dropped (``dropped`` counts them) and the next one taken, so the learner never
 trains on a trajectory more than ``max_staleness`` versions old.
@@ -19,7 +20,6 @@ stream step (its auxiliary draws too), so a batch is the synchronous batch of it
 
 from __future__ import annotations
 
-import copy
 import threading
 from collections import deque
 from dataclasses import dataclass, fields
@@ -30,6 +30,8 @@ from torch import nn
 
 from rl_lightning.envs.base import Prompt
 from rl_lightning.rollout.batch import RolloutBatch
+from rl_lightning.rollout.engine import RolloutEngine
+from rl_lightning.rollout.sync import SamplerSync
 
 
 @dataclass
@@ -45,29 +47,27 @@ class RolloutProducer:
     """A background generator of training batches into a bounded queue (see the module docstring).
 
     Args:
-        generate: ``(model, step) -> RolloutBatch``: the data module's rollout of stream step ``step`` with
-            ``model`` (called on the producer's thread, under ``torch.no_grad``).
-        policy: the learner's policy (copied once; the copy samples, never the policy itself).
+        generate: ``(engine, step) -> RolloutBatch``: the data module's rollout of stream step ``step`` on
+            ``engine`` (called on the producer's thread, under ``torch.no_grad``).
+        sync: the sampler sync that owns the producer's weights (``publish`` on the learner's side, ``refresh``
+            on the producer's); its engine is set up already, with the version its weights have.
         capacity: queue size (>= 1): how many batches the producer may run ahead.
         max_staleness: the largest ``learner version - batch version`` consumed (>= 0).
-        version: the policy's version now (its weights are copied now).
         start_step: the first stream step to generate.
     """
 
-    def __init__(self, generate: Callable[[nn.Module, int], RolloutBatch], policy: nn.Module, capacity: int,
-                 max_staleness: int, version: int = 0, start_step: int = 0) -> None:
+    def __init__(self, generate: Callable[[RolloutEngine, int], RolloutBatch], sync: SamplerSync, capacity: int,
+                 max_staleness: int, start_step: int = 0) -> None:
         if capacity < 1 or max_staleness < 0:
             raise ValueError(f"RolloutProducer: need capacity >= 1 and max_staleness >= 0, got {capacity}, "
                              f"{max_staleness}")
         self.generate = generate
         self.capacity, self.max_staleness = capacity, max_staleness
-        self.sampler = copy.deepcopy(policy).requires_grad_(False).eval()
+        self.sync = sync
         self.items: deque[Produced] = deque()
         self.next_step = start_step
-        self.version = version  # the version of the sampler's weights
         self.dropped = 0
         self.last_taken: Produced | None = None
-        self._published: tuple[int, dict[str, torch.Tensor]] | None = None
         self._cond = threading.Condition()
         self._stop = False
         self._error: BaseException | None = None
@@ -76,9 +76,7 @@ class RolloutProducer:
     # ------------------------------------------------------------------ learner side
     def publish(self, policy: nn.Module, version: int) -> None:
         """Offer the learner's current weights (after ``version`` updates) to the producer."""
-        state = {k: v.detach().clone() for k, v in policy.state_dict().items()}
-        with self._cond:
-            self._published = (version, state)
+        self.sync.publish(policy, version)
 
     def take(self, version: int) -> Produced:
         """The next queued batch at most ``max_staleness`` versions older than ``version`` (older ones are
@@ -140,11 +138,6 @@ class RolloutProducer:
             self.dropped = int(state["dropped"])
 
     # ------------------------------------------------------------------ producer side
-    def _load_published(self) -> None:  # holding the lock
-        version, state = self._published
-        self.sampler.load_state_dict(state)
-        self.version = version
-
     def _run(self) -> None:
         try:
             while True:
@@ -153,11 +146,10 @@ class RolloutProducer:
                         self._cond.wait()
                     if self._stop:
                         return
-                    if self._published is not None and self._published[0] > self.version:
-                        self._load_published()
-                    step, version = self.next_step, self.version
+                    self.sync.refresh()  # the newest published weights, if newer
+                    step, version = self.next_step, self.sync.version
                 with torch.no_grad():
-                    batch = self.generate(self.sampler, step)  # outside the lock: the learner runs meanwhile
+                    batch = self.generate(self.sync.engine, step)  # outside the lock: the learner runs meanwhile
                 with self._cond:
                     if self._stop:
                         return

@@ -5,12 +5,14 @@ The data loader yields cheap ``PromptBatch`` objects. Right after Lightning move
 responses per prompt with the *sampler*, scores them, and hands the algorithm a ``RolloutBatch``. Generation
 therefore lives here, serves every method alike, and never runs ahead of the update that precedes it.
 
-The module it trains must expose ``policy`` (a Hugging Face causal LM) and ``tokenizer`` attributes.
+The module it trains must expose ``policy`` (a Hugging Face causal LM) and ``tokenizer`` attributes; ``setup``
+reads them once (``bind``). The rollout flows one way from there: the data module readies the engine with the
+weights a batch samples with (``rollout.sync.SamplerSync``: the policy itself, a lagged or low-precision copy, or
+the asynchronous producer's) and hands the strategy a ``RolloutContext`` -- it never hands over itself.
 """
 
 from __future__ import annotations
 
-import copy
 import time
 from dataclasses import replace
 from typing import Any, Iterator, get_args
@@ -18,17 +20,19 @@ from typing import Any, Iterator, get_args
 import torch
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_info
-from torch import Tensor, nn
+from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
 from rl_lightning.envs.base import Prompt, RewardFunction, Task
 from rl_lightning.models.policy import DType
 from rl_lightning.rollout.async_producer import Produced, RolloutProducer
 from rl_lightning.rollout.batch import PromptBatch, RolloutBatch
-from rl_lightning.rollout.engines import KVCacheEngine, RolloutEngine
-from rl_lightning.rollout.episodes import left_pad
+from rl_lightning.rollout.encoding import PromptEncoder
+from rl_lightning.rollout.engine import AUX_DRAWS, TOPK, RolloutEngine, SamplingParams, check_capabilities
+from rl_lightning.rollout.engines import KVCacheEngine
 from rl_lightning.rollout.prompts import PromptSampler, SequentialSampler
-from rl_lightning.rollout.strategies import GroupRollout, RolloutStrategy
+from rl_lightning.rollout.strategies import GroupRollout, RolloutContext, RolloutStrategy
+from rl_lightning.rollout.sync import SamplerSync
 
 
 class _TrainStream(IterableDataset):
@@ -67,7 +71,8 @@ class RolloutDataModule(LightningDataModule):
         use_chat_template: wrap each prompt as a user message with the tokenizer's chat template.
         seed: seeds sampling; step ``k`` on rank ``r`` draws from a generator seeded by ``(seed, r, k)``.
         engine: the sampling engine (``None``: ``KVCacheEngine``, the library's KV-cache loop;
-            ``HFGenerateEngine`` uses Hugging Face ``generate`` as a reference).
+            ``HFGenerateEngine`` uses Hugging Face ``generate`` as a reference). Its declared capabilities are
+            checked against what the configuration asks for at ``setup`` (``rollout.engine``).
         strategy: how prompts become rollouts (``None``: ``GroupRollout()``: ``group_size`` single-turn
             episodes per prompt; ``GroupRollout(max_turns=k)`` for multi-turn environments). See
             ``rl_lightning.rollout.strategies``.
@@ -147,25 +152,52 @@ class RolloutDataModule(LightningDataModule):
             raise ValueError(f"RolloutDataModule: async_queue={async_queue} needs sampler_sync_interval=1 (the "
                              f"producer's copy of the policy is the lag), got {sampler_sync_interval}")
         self.async_queue, self.max_staleness = async_queue, max_staleness
+        self.sync = SamplerSync(self.engine, sampler_sync_interval, sampler_dtype, asynchronous=async_queue > 0)
         self._producer: RolloutProducer | None = None
+        self._pending_producer: dict[str, Any] | None = None
         self.cursor = 0  # training steps drawn so far (the stream position)
-        self.generator: torch.Generator | None = None
-        self._sampler: nn.Module | None = None  # the lagged copy when sampler_sync_interval > 1
-        self._sampler_synced_at = -1
-        self._pending_state: dict[str, Any] | None = None
+        self._policy: nn.Module | None = None
+        self._encoder: PromptEncoder | None = None
         self._injected: list[RolloutBatch] = []
 
-    # ------------------------------------------------------------------ the trained module's side
-    @property
-    def _module(self) -> Any:
-        module = self.trainer.lightning_module if self.trainer is not None else None
-        if module is None or not hasattr(module, "policy") or not hasattr(module, "tokenizer"):
+    # ------------------------------------------------------------------ the learner's side
+    def bind(self, policy: nn.Module, tokenizer: Any) -> None:
+        """Roll out for the learner's ``policy`` with ``tokenizer`` (``setup`` binds the trained module's); the
+        engine's capabilities are checked against this configuration here."""
+        check_capabilities(self.engine, self.needs())
+        self._policy = policy
+        self._encoder = PromptEncoder(tokenizer, self.add_bos, self.use_chat_template)
+
+    def needs(self) -> dict[str, str]:
+        """The engine capabilities this configuration needs, each with the setting that asks for it."""
+        needs = dict(self.strategy.needs())
+        if self.record_topk:
+            needs[TOPK] = f"record_topk={self.record_topk}"
+        if self.record_aux_draws:
+            needs[AUX_DRAWS] = f"record_aux_draws={self.record_aux_draws}"
+        return needs
+
+    def _bind_trained_module(self, required: bool) -> None:
+        """``bind`` the trained module's policy and tokenizer (the one place the data module reads its module)."""
+        module = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
+        if module is not None and hasattr(module, "policy") and hasattr(module, "tokenizer"):
+            self.bind(module.policy, module.tokenizer)
+        elif required:
             raise RuntimeError("RolloutDataModule needs a LightningModule with `policy` and `tokenizer` attributes")
-        return module
+
+    def _learner(self) -> tuple[nn.Module, PromptEncoder]:
+        """The bound policy and encoder (bound at the first rollout of a data module driven without a fit)."""
+        if self._policy is None:
+            self._bind_trained_module(required=True)
+        return self._policy, self._encoder
 
     def _world(self) -> tuple[int, int]:
         trainer = self.trainer
         return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+
+    def _version(self) -> int:
+        """The learner's policy version: the updates it has made."""
+        return int(getattr(self.trainer, "global_step", 0) or 0)
 
     def setup(self, stage: str) -> None:
         rank, world = self._world()
@@ -174,6 +206,7 @@ class RolloutDataModule(LightningDataModule):
                 f"RolloutDataModule: prompts_per_step={self.prompts_per_step} must be divisible by the "
                 f"number of devices ({world})"
             )
+        self._bind_trained_module(required=False)
 
     # ------------------------------------------------------------------ prompts
     def prompt_batch(self, step: int) -> PromptBatch:
@@ -217,104 +250,36 @@ class RolloutDataModule(LightningDataModule):
     @property
     def tokenizer(self) -> Any:
         """The trained module's tokenizer."""
-        return self._module.tokenizer
+        return self._learner()[1].tokenizer
 
-    def _template(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                  tokenize=False)
-
-    def encode_first(self, prompts: list[Prompt], texts: list[str] | None, device: torch.device
-                     ) -> tuple[Tensor, Tensor]:
-        """Left-padded ids and mask of each episode's first observation (``texts``; default: the prompts'),
-        as a user message of the chat template (``use_chat_template``) or BOS + its tokens."""
+    def sampling_params(self, batch: PromptBatch) -> SamplingParams:
+        """The sampling settings of ``batch``: a training batch's draws (and its auxiliary draws) seeded by
+        ``(seed, rank, step)``, so an asynchronous batch is the synchronous batch of its step, and every rank
+        resumes its own stream with no state to checkpoint; a held-out batch greedy."""
         tok = self.tokenizer
-        rows: list[list[int]] = []
-        for prompt, text in zip(prompts, texts if texts is not None else [p.text for p in prompts]):
-            if self.use_chat_template:
-                rendered = self._template([{"role": "user", "content": text}], add_generation_prompt=True)
-                ids = tok(rendered, add_special_tokens=False)["input_ids"]
-            else:
-                ids = tok(text, add_special_tokens=False)["input_ids"]
-                if self.add_bos and tok.bos_token_id is not None:
-                    ids = [tok.bos_token_id, *ids]
-            rows.append(ids)
-        return left_pad(rows, tok.pad_token_id, device)
-
-    def encode_observation(self, episodes: Any, row: int, observation: str, closed: bool = True) -> list[int]:
-        """The ids of an observation, appended right after the model's turn.
-
-        With a chat template it is the template's next user message plus the generation prompt: the part of
-        the rendered conversation after the model's turn (so the trajectory's ids are the template's rendering
-        of the whole conversation); a turn cut before its EOS (``closed=False``) gets the EOS as the first
-        observation id. Otherwise the observation's own tokens.
-        """
-        tok = self.tokenizer
-        if not self.use_chat_template:
-            return list(tok(observation, add_special_tokens=False)["input_ids"])
-        messages = [{"role": "user", "content": episodes.first[row]}]
-        for i, action in enumerate(episodes.actions[row]):
-            messages.append({"role": "assistant", "content": action})
-            if i < len(episodes.actions[row]) - 1:
-                messages.append({"role": "user", "content": episodes.observations[row][i]})
-        before = self._template(messages, add_generation_prompt=False)
-        episodes.observations[row].append(observation)
-        after = self._template([*messages, {"role": "user", "content": observation}], add_generation_prompt=True)
-        turn_end = self._template(messages[:-1], add_generation_prompt=True) + episodes.actions[row][-1] + tok.eos_token
-        if not (after.startswith(before) and before.startswith(turn_end)):
-            raise ValueError(f"the chat template of {type(tok).__name__} does not render a conversation as a "
-                             "prefix of its continuation; multi-turn episodes need one that does")
-        ids = list(tok(after[len(turn_end):], add_special_tokens=False)["input_ids"])
-        return ids if closed else [tok.eos_token_id, *ids]
-
-    def sampler_extras(self, generator: torch.Generator | None, step: int) -> dict[str, Any]:
-        """The engine arguments for the extra sampler outputs requested for training stream step ``step`` (none
-        for held-out rollouts). The auxiliary draws get a generator of their own, seeded from
-        ``(seed, rank, step)`` like the sampling one, so an asynchronous batch (drawn on the producer's thread
-        while the learner's cursor moves) has the draws of the synchronous batch of its step."""
-        if generator is None or not (self.record_topk or self.record_aux_draws):
-            return {}
-        extras: dict[str, Any] = {"topk": self.record_topk, "aux_draws": self.record_aux_draws}
-        if self.record_aux_draws:
-            rank, _ = self._world()
-            aux = torch.Generator(device=generator.device)
-            extras["aux_generator"] = aux.manual_seed(((self.seed * 1_000_003 + rank) * 1_000_033 + step) * 31 + 7)
-        return extras
-
-    def _generator(self, device: torch.device, step: int) -> torch.Generator:
-        """The sampling generator for ``step`` on this rank, seeded from ``(seed, rank, step)``.
-
-        Seeding per step keeps no state to checkpoint: every rank resumes its own stream exactly, whatever
-        the rank that writes the checkpoint, and a run may resume on another number of devices.
-        """
-        if self.generator is None or self.generator.device != device:
-            self.generator = torch.Generator(device=device)
+        common = dict(max_tokens=self.max_new_tokens, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                      temperature=self.temperature, top_p=self.top_p)
+        if batch.split != "train":
+            return SamplingParams(**common, greedy=True)
         rank, _ = self._world()
-        self.generator.manual_seed((self.seed * 1_000_003 + rank) * 1_000_033 + step)
-        return self.generator
+        seed = (self.seed * 1_000_003 + rank) * 1_000_033 + batch.step
+        return SamplingParams(**common, seed=seed, topk=self.record_topk, aux_draws=self.record_aux_draws,
+                              aux_seed=seed * 31 + 7 if self.record_aux_draws else None)
 
-    def sampler(self) -> nn.Module:
+    def context(self, engine: RolloutEngine, batch: PromptBatch, device: torch.device) -> RolloutContext:
+        """What the strategy makes ``batch``'s rollout with."""
+        return RolloutContext(self._learner()[1], engine, self.task, self.reward_fn, self.sampling_params(batch),
+                              self.group_size, self.seed, device)
+
+    def sampler(self) -> nn.Module | None:
         """The model that generates this step: the policy, or its copy (lagged: refreshed every
-        ``sampler_sync_interval`` steps; in ``sampler_dtype``)."""
-        policy = self._module.policy
-        if self.sampler_sync_interval == 1 and self.sampler_dtype is None:
-            return policy
-        if self._sampler is None:
-            self._sampler = copy.deepcopy(policy).requires_grad_(False).eval()
-            if self.sampler_dtype is not None:
-                self._sampler.to(getattr(torch, self.sampler_dtype))
-            self._sampler_synced_at = self.cursor
-            if self._pending_state is not None and "sampler" in self._pending_state:
-                self._sampler.load_state_dict(self._pending_state.pop("sampler"))
-                self._sampler_synced_at = self._pending_state.pop("sampler_synced_at")
-        if self.cursor - self._sampler_synced_at >= self.sampler_sync_interval:
-            self._sampler.load_state_dict(policy.state_dict())
-            self._sampler_synced_at = self.cursor
-        return self._sampler
+        ``sampler_sync_interval`` steps; in ``sampler_dtype``); ``None`` for an engine without a module."""
+        return self.sync.model(self._learner()[0], self.cursor)
 
     def rollout(self, batch: PromptBatch) -> RolloutBatch:
         """Generate and score responses for ``batch`` on the policy's device."""
-        module = self._module
-        device = next(module.policy.parameters()).device
+        policy, _ = self._learner()
+        device = next(policy.parameters()).device
         train = batch.split == "train"
         if train and batch.step != self.cursor:
             raise RuntimeError(f"prompt stream out of sync: batch for step {batch.step}, cursor at {self.cursor}")
@@ -324,43 +289,38 @@ class RolloutDataModule(LightningDataModule):
         if train and self.async_queue:  # perf/rollout_time: how long the learner waited for it (0: none)
             self.cursor += 1
             start = time.perf_counter()
-            produced = self._take_produced(module).batch.to(device)
+            produced = self._take_produced().batch.to(device)
             return replace(produced, rollout_time=time.perf_counter() - start, reward_time=0.0)
         if train and not batch.prompts:  # drawn now, with the sampler's weights of this moment
             batch = self.prompt_batch(batch.step)
-        model = self.sampler() if train else module.policy
-        was_training = model.training
-        model.eval()
+        engine = self.sync.for_step(policy, self.cursor) if train else self.sync.current(policy, self._version())
         try:
-            out = self.strategy.rollout(self, batch, model, self._generator(device, batch.step) if train else None)
+            out = self.strategy.rollout(self.context(engine, batch, device), batch)
         except FloatingPointError as err:
-            where = f"step {batch.step}" if train else f"validation after step {module.global_step}"
+            where = f"step {batch.step}" if train else f"validation after step {self._version()}"
             raise FloatingPointError(f"rollout at {where}: {err}") from err
-        finally:
-            model.train(was_training)
         if train:
             self.cursor += 1
         return out
 
-    def _generate(self, model: nn.Module, step: int) -> RolloutBatch:
-        """Stream step ``step``'s training rollout with ``model`` (the asynchronous producer's work)."""
-        device = next(model.parameters()).device
+    def _generate(self, engine: RolloutEngine, step: int) -> RolloutBatch:
+        """Stream step ``step``'s training rollout on ``engine`` (the asynchronous producer's work)."""
         batch = self.prompt_batch(step)
-        return self.strategy.rollout(self, batch, model, self._generator(device, step))
+        return self.strategy.rollout(self.context(engine, batch, engine.device), batch)
 
-    def _take_produced(self, module: Any) -> Produced:
+    def _take_produced(self) -> Produced:
         """Publish the learner's weights and take the producer's next batch (the producer starts on first use)."""
-        version = int(getattr(self.trainer, "global_step", 0) or 0)
+        policy, _ = self._learner()
+        version = self._version()
         if self._producer is None:
-            pending = (self._pending_state or {}).pop("producer", None)
-            self._producer = RolloutProducer(self._generate, module.policy, self.async_queue, self.max_staleness,
-                                             version=version, start_step=0 if pending else self.cursor - 1)
-            if self.sampler_dtype is not None:
-                self._producer.sampler.to(getattr(torch, self.sampler_dtype))
+            pending, self._pending_producer = self._pending_producer, None
+            self.sync.start(policy, version)
+            self._producer = RolloutProducer(self._generate, self.sync, self.async_queue, self.max_staleness,
+                                             start_step=0 if pending else self.cursor - 1)
             if pending is not None:
-                self._producer.load_state_dict(pending, next(module.policy.parameters()).device)
+                self._producer.load_state_dict(pending, next(policy.parameters()).device)
         else:
-            self._producer.publish(module.policy, version)
+            self._producer.publish(policy, version)
         return self._producer.take(version)
 
     @property
@@ -371,6 +331,7 @@ class RolloutDataModule(LightningDataModule):
     def teardown(self, stage: str) -> None:
         if self._producer is not None:  # the batch in generation is dropped; its step is generated again on resume
             self._producer.stop()
+        self.engine.close()
 
     def inject(self, batch: RolloutBatch) -> None:
         """Train the next step on ``batch`` instead of generating one (``rl-lightning replay`` uses it).
@@ -402,18 +363,15 @@ class RolloutDataModule(LightningDataModule):
         state = getattr(trainer, "state", None)
         if state is not None and state.fn == "fit" and hasattr(trainer, "global_step"):
             cursor = min(cursor, trainer.global_step)
-        state: dict[str, Any] = {"cursor": cursor}
-        if self._sampler is not None:
-            state["sampler"] = {k: v.detach().cpu() for k, v in self._sampler.state_dict().items()}
-            state["sampler_synced_at"] = self._sampler_synced_at
+        state: dict[str, Any] = {"cursor": cursor, **self.sync.state_dict()}
         if self._producer is not None:  # mid-step (cursor ahead of the updates done): keep the batch being trained on
             state["producer"] = self._producer.state_dict(include_last_taken=self.cursor > cursor)
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.cursor = int(state_dict["cursor"])
-        self._pending_state = {k: v for k, v in state_dict.items() if k != "cursor"}
-        self._sampler = None
+        self.sync.load_state_dict(state_dict)
+        self._pending_producer = state_dict.get("producer")
         if self._producer is not None:
             self._producer.stop()
             self._producer = None

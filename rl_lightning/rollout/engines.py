@@ -1,4 +1,4 @@
-"""Rollout engines: how the data module turns prompts into sampled tokens and their sampler log-probs.
+"""The built-in rollout engines: in-process, on a Hugging Face causal LM (the interface: ``rollout.engine``).
 
 * ``KVCacheEngine`` (default): the library's own loop (``generation.sample``): one forward per new token on a
   KV cache, log-probs taken from the sampling logits themselves (no second pass), rows stopped at EOS and
@@ -7,13 +7,16 @@
   the raw logits ``generate`` returns, under the same sampling distribution.
 
 Both record log-probs of ``softmax(top_p(logits / temperature))``. For the same RNG state they draw the same
-tokens (a test checks it), so either can serve as the other's reference. Plug one in with
-``data.init_args.engine: {class_path: rl_lightning.rollout.HFGenerateEngine}``.
+tokens (a test checks it), so either can serve as the other's reference. Their multi-turn sessions are the same
+(``sessions.ModuleSession``). Plug one in with ``data.init_args.engine: {class_path:
+rl_lightning.rollout.HFGenerateEngine}``.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+import copy
+from abc import abstractmethod
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -21,26 +24,76 @@ from torch import Tensor, nn
 from transformers import GenerationConfig
 
 from rl_lightning.functional.logprobs import sampling_log_softmax
+from rl_lightning.rollout.engine import (
+    AUX_DRAWS, IN_PROCESS, SESSIONS, TOPK, EngineSession, RolloutEngine, SamplingParams, check_capabilities,
+    seeded,
+)
 from rl_lightning.rollout.generation import DEFAULT_COMPACT_BELOW, Generation, check_compact_below, sample
+from rl_lightning.rollout.sessions import ModuleSession, evaluating, left_pad
+
+__all__ = ["HFGenerateEngine", "KVCacheEngine", "ModuleEngine", "RolloutEngine", "SamplingParams"]
 
 
-class RolloutEngine(ABC):
-    """Generates up to ``max_new_tokens`` per row of a left-padded prompt batch (``[N, P]`` ids and mask).
+class ModuleEngine(RolloutEngine):
+    """An engine that generates with an ``nn.Module`` in this process: its own copy of the policy (``setup``),
+    or a module it is bound to (``bound(policy)``: the learner's policy itself, whose current weights every
+    rollout then sees with nothing to sync). Subclasses implement ``sample_padded``."""
 
-    ``generator=None`` draws from torch's global RNG; a generator makes the draw reproducible.
-    """
+    capabilities = frozenset({SESSIONS, IN_PROCESS})
+    model: nn.Module | None = None
+
+    def setup(self, policy: nn.Module, dtype: str | None = None, version: int = 0) -> None:
+        self.model = copy.deepcopy(policy).requires_grad_(False).eval()
+        if dtype is not None:
+            self.model.to(getattr(torch, dtype))
+        self.version = version
+
+    def load_weights(self, named_tensors: Mapping[str, Tensor] | Iterable[tuple[str, Tensor]], version: int
+                     ) -> None:
+        state = named_tensors if isinstance(named_tensors, Mapping) else dict(named_tensors)
+        self.model.load_state_dict(state)
+        self.version = version
+
+    def bound(self, model: nn.Module) -> ModuleEngine:
+        """This engine (the same settings) generating with ``model`` itself."""
+        engine = copy.copy(self)
+        engine.model = model
+        return engine
+
+    def weights(self) -> Mapping[str, Tensor] | None:
+        return None if self.model is None else self.model.state_dict()
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def generate(self, prompts: Sequence[Sequence[int]] | nn.Module, params: SamplingParams | Any = None,
+                 n: int = 1, *args: Any, **kwargs: Any) -> Generation:
+        if isinstance(prompts, nn.Module):  # the earlier signature (model, input_ids, attention_mask, ...)
+            return self.sample_padded(prompts, params, n, *args, **kwargs)
+        check_capabilities(self, params.needs())
+        ids, mask = left_pad([p for p in prompts for _ in range(n)], params.pad_token_id, self.device)
+        device = ids.device
+        extras = dict(topk=params.topk, aux_draws=params.aux_draws,
+                      aux_generator=seeded(params.aux_seed, device)) if params.topk or params.aux_draws else {}
+        with evaluating(self.model):
+            return self.sample_padded(self.model, ids, mask, params.max_tokens, params.eos_token_id,
+                                      params.pad_token_id, temperature=params.temperature, top_p=params.top_p,
+                                      greedy=params.greedy, generator=seeded(params.seed, device), **extras)
+
+    def open_session(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                     carry_cache: bool = True) -> EngineSession:
+        return ModuleSession(self.model, prompts, params, carry_cache)
 
     @abstractmethod
-    def generate(
-        self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, max_new_tokens: int, eos_token_id: int,
-        pad_token_id: int, temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
-        generator: torch.Generator | None = None, **extras: Any,
-    ) -> Generation:
-        """``extras`` are passed only when a configuration asks for extra sampler outputs: ``topk`` (int),
-        ``aux_draws`` (int) and ``aux_generator``; an engine that cannot record them raises ``ValueError``."""
+    def sample_padded(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, max_new_tokens: int,
+                      eos_token_id: int, pad_token_id: int, temperature: float = 1.0, top_p: float = 1.0,
+                      greedy: bool = False, generator: torch.Generator | None = None, **extras: Any) -> Generation:
+        """Up to ``max_new_tokens`` per row of a left-padded prompt batch (``[N, P]`` ids and mask) on ``model``;
+        ``extras``: ``topk``, ``aux_draws`` and ``aux_generator`` when asked for."""
 
 
-class KVCacheEngine(RolloutEngine):
+class KVCacheEngine(ModuleEngine):
     """The library's sampling loop (``rl_lightning.rollout.generation.sample``).
 
     Args:
@@ -54,6 +107,8 @@ class KVCacheEngine(RolloutEngine):
             row (``generation.prefill``); the tokens drawn are the same either way.
     """
 
+    capabilities = ModuleEngine.capabilities | {TOPK, AUX_DRAWS}
+
     def __init__(self, drop_finished: bool = True, compact_below: float = DEFAULT_COMPACT_BELOW,
                  static_cache: bool = True, share_prefill: bool = True) -> None:
         if not isinstance(share_prefill, bool):
@@ -63,24 +118,25 @@ class KVCacheEngine(RolloutEngine):
         self.static_cache = static_cache
         self.share_prefill = share_prefill
 
-    def generate(self, model, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id,  # noqa: ANN001
-                 temperature=1.0, top_p=1.0, greedy=False, generator=None, **extras) -> Generation:
+    def sample_padded(self, model, input_ids, attention_mask, max_new_tokens, eos_token_id,  # noqa: ANN001
+                      pad_token_id, temperature=1.0, top_p=1.0, greedy=False, generator=None, **extras) -> Generation:
         return sample(model, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id,
                       temperature=temperature, top_p=top_p, greedy=greedy, generator=generator,
                       drop_finished=self.drop_finished, compact_below=self.compact_below,
                       static_cache=self.static_cache, share_prefill=self.share_prefill, **extras)
 
 
-class HFGenerateEngine(RolloutEngine):
+class HFGenerateEngine(ModuleEngine):
     """``model.generate`` (sampling with temperature/top-p only: top-k, penalties and other processors off).
 
     Hugging Face samples from the global RNG; with a ``generator`` the draw runs under a forked RNG seeded
-    from it, so results stay reproducible without touching the caller's global RNG.
+    from it, so results stay reproducible without touching the caller's global RNG. It records no extra sampler
+    outputs (no ``TOPK``, ``AUX_DRAWS``).
     """
 
     @torch.no_grad()
-    def generate(self, model, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id,  # noqa: ANN001
-                 temperature=1.0, top_p=1.0, greedy=False, generator=None, **extras) -> Generation:
+    def sample_padded(self, model, input_ids, attention_mask, max_new_tokens, eos_token_id,  # noqa: ANN001
+                      pad_token_id, temperature=1.0, top_p=1.0, greedy=False, generator=None, **extras) -> Generation:
         if extras.get("topk") or extras.get("aux_draws"):
             raise ValueError("HFGenerateEngine does not record extra sampler outputs (topk, aux_draws); use "
                              "KVCacheEngine")

@@ -1,13 +1,15 @@
 """Rollout strategies: how a batch of prompts becomes a ``RolloutBatch``. The data module's extension point.
 
-``RolloutDataModule.rollout`` checks the stream, picks the sampler (the policy or its lagged copy) and hands
-the prompt batch to its ``strategy``; a new way of making rollouts is a new ``RolloutStrategy`` subclass, set
-with ``data.init_args.strategy``, with no change to the data module.
+``RolloutDataModule.rollout`` checks the stream, readies the engine (the sampler sync) and hands the prompt
+batch to its ``strategy`` with a ``RolloutContext``: the encoder, the engine, the task, the reward function, the
+batch's sampling settings and the seed -- never the data module. A new way of making rollouts is a new
+``RolloutStrategy`` subclass, set with ``data.init_args.strategy``, with no change to the data module.
 
 ``GroupRollout`` (the default) runs ``group_size`` episodes per training prompt (one per held-out prompt,
 greedy), each in the environment the task makes for it (``Task.make_env``; a ``SingleTurnEnv`` for
-single-turn tasks). With ``max_turns == 1`` an episode is one generate call of the data module's engine; with
-more turns it runs through ``episodes.sample_episodes`` (the KV cache carried over from turn to turn).
+single-turn tasks). With ``max_turns == 1`` an episode is one ``generate`` call of the engine (``n = group_size``
+samples of each prompt); with more turns it runs through ``episodes.sample_episodes`` in an engine session.
+``BranchRollout`` (``rollout.branching``) continues from saved mid-episode states.
 """
 
 from __future__ import annotations
@@ -15,36 +17,67 @@ from __future__ import annotations
 import math
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Literal
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Literal
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from rl_lightning.envs.base import Prompt, RewardError
+from rl_lightning.envs.base import Prompt, RewardError, RewardFunction, Task
 from rl_lightning.envs.environment import EnvError, Environment, env_step
 from rl_lightning.rollout.batch import PromptBatch, RolloutBatch
+from rl_lightning.rollout.encoding import PromptEncoder
+from rl_lightning.rollout.engine import SESSIONS, RolloutEngine, SamplingParams
 from rl_lightning.rollout.episodes import left_pad, sample_episodes
+from rl_lightning.rollout.generation import Generation
 
-if TYPE_CHECKING:
-    from rl_lightning.rollout.datamodule import RolloutDataModule
+
+@dataclass(frozen=True)
+class RolloutContext:
+    """What a strategy makes a rollout with: the data module builds one per batch.
+
+    Attributes:
+        encoder: the ids of first observations and of observations after a turn (its ``tokenizer`` decodes).
+        engine: the rollout engine, with the weights this batch samples with.
+        task, reward_fn: the environments' source and their verifier.
+        params: this batch's sampling settings (``max_tokens`` per turn; greedy and unseeded for held-out ones).
+        group_size: samples per training prompt (``G``).
+        seed: the data module's seed (environment seeds derive from it).
+        device: where the ``RolloutBatch`` goes (the learner's device).
+    """
+
+    encoder: PromptEncoder
+    engine: RolloutEngine
+    task: Task
+    reward_fn: RewardFunction
+    params: SamplingParams
+    group_size: int
+    seed: int
+    device: torch.device
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.encoder.tokenizer
 
 
 class RolloutStrategy(ABC):
-    """Turns a ``PromptBatch`` into a ``RolloutBatch`` with ``model`` (under ``torch.no_grad``, in eval mode)."""
+    """Turns a ``PromptBatch`` into a ``RolloutBatch`` through ``ctx.engine``."""
 
     @abstractmethod
-    def rollout(self, dm: RolloutDataModule, batch: PromptBatch, model: nn.Module,
-                generator: torch.Generator | None) -> RolloutBatch:
-        """``generator`` is the step's seeded generator for training batches, ``None`` for greedy held-out ones."""
+    def rollout(self, ctx: RolloutContext, batch: PromptBatch) -> RolloutBatch:
+        """Training batches sample with ``ctx.params`` (seeded by their step); held-out ones greedily."""
+
+    def needs(self) -> dict[str, str]:
+        """The engine capabilities this strategy needs, each with the setting that asks for it."""
+        return {}
 
 
 class _Episodes:
     """The environments of one batch of episodes and what they returned, turn by turn."""
 
-    def __init__(self, dm: RolloutDataModule, prompts: list[Prompt], seeds: list[int], on_error: str) -> None:
-        self.dm, self.prompts, self.on_error = dm, prompts, on_error
-        self.envs: list[Environment] = [dm.task.make_env(p, dm.reward_fn) for p in prompts]
+    def __init__(self, ctx: RolloutContext, prompts: list[Prompt], seeds: list[int], on_error: str) -> None:
+        self.prompts, self.on_error = prompts, on_error
+        self.envs: list[Environment] = [ctx.task.make_env(p, ctx.reward_fn) for p in prompts]
         self.first = [str(env.reset(seed=seed)[0]) for env, seed in zip(self.envs, seeds)]
         self.turn_rewards: list[list[float]] = [[] for _ in prompts]
         self.actions: list[list[str]] = [[] for _ in prompts]
@@ -68,6 +101,12 @@ class _Episodes:
         self.turn_rewards[row].append(reward)
         self.env_truncated[row] = truncated
         return obs, terminated or truncated
+
+    def observation_ids(self, encoder: PromptEncoder, row: int, observation: str, closed: bool) -> list[int]:
+        """The ids of episode ``row``'s next observation (after its last turn), remembered for the next."""
+        ids = encoder.observation(self.first[row], self.actions[row], self.observations[row], observation, closed)
+        self.observations[row].append(observation)
+        return ids
 
     def returns(self) -> list[float]:
         return [sum(r) if r else float("nan") for r in self.turn_rewards]
@@ -103,58 +142,67 @@ class GroupRollout(RolloutStrategy):
         self.env_errors = env_errors
         self.carry_cache = carry_cache
 
-    def rollout(self, dm: RolloutDataModule, batch: PromptBatch, model: nn.Module,
-                generator: torch.Generator | None) -> RolloutBatch:
+    def needs(self) -> dict[str, str]:
+        return {SESSIONS: f"{type(self).__name__}(max_turns={self.max_turns})"} if self.max_turns > 1 else {}
+
+    def turn_params(self, ctx: RolloutContext) -> SamplingParams:
+        """``ctx.params`` with this strategy's tokens per turn."""
+        return replace(ctx.params, max_tokens=self.max_turn_tokens or ctx.params.max_tokens)
+
+    def rollout(self, ctx: RolloutContext, batch: PromptBatch) -> RolloutBatch:
         train = batch.split == "train"
-        group = dm.group_size if train else 1
+        group = ctx.group_size if train else 1
         prompts = [p for p in batch.prompts for _ in range(group)]
         indices = [i for i in batch.indices for _ in range(group)]
-        seeds = [(dm.seed * 1_000_003 + i) * 97 + k % group for k, i in enumerate(indices)]
-        device = next(model.parameters()).device
-        tok = dm.tokenizer
+        seeds = [(ctx.seed * 1_000_003 + i) * 97 + k % group for k, i in enumerate(indices)]
+        tok = ctx.tokenizer
         t0 = time.perf_counter()
-        episodes = _Episodes(dm, prompts, seeds, self.env_errors)
-        prompt_ids, prompt_mask = dm.encode_first(prompts, episodes.first, device)
-        turn_tokens = self.max_turn_tokens or dm.max_new_tokens
-        common = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, temperature=dm.temperature,
-                      top_p=dm.top_p, greedy=not train, generator=generator)
-        extras = dm.sampler_extras(generator, batch.step)
-        if self.max_turns == 1:
-            gen = dm.engine.generate(model, prompt_ids, prompt_mask, turn_tokens, **common, **extras)
+        episodes = _Episodes(ctx, prompts, seeds, self.env_errors)
+        rows = ctx.encoder.first(episodes.first)
+        prompt_ids, prompt_mask = left_pad(rows, tok.pad_token_id, ctx.device)
+        params = self.turn_params(ctx)
+        if self.max_turns > 1:
+            gen = self._episodes(ctx, rows, episodes, params)
             t1 = time.perf_counter()
-            lengths = gen.mask.sum(dim=1).tolist()
-            responses = tok.batch_decode([row[:n] for row, n in zip(gen.response_ids.tolist(), lengths)],
-                                         skip_special_tokens=True)
-            fields: dict[str, Any] = {name: getattr(gen, name) for name in ("topk_ids", "topk_logprobs", "aux_ids")
-                                      if getattr(gen, name, None) is not None}
-            make = self._maker(dm, prompt_ids, prompt_mask, gen, group, indices, prompts, responses, t1 - t0, fields)
-            over = []
-            try:
-                for row, response in enumerate(responses):
-                    over.append(episodes.step(row, response)[1])
-            except RewardError as err:  # keep the responses so the failure can be replayed (FailureDump)
-                if train:
-                    err.rollout_batch = make(episodes.returns(), time.perf_counter() - t1)  # type: ignore[attr-defined]
-                raise
-            batch_out = make(episodes.returns(), time.perf_counter() - t1, episodes)
-            # as in sample_episodes: the environment truncated it, or the turn limit ends an episode that goes on
-            cut = [truncated or not done for truncated, done in zip(episodes.env_truncated, over)]
-            batch_out.truncated = gen.truncated | torch.tensor(cut, device=gen.truncated.device)
+            responses = [tok.decode(ids, skip_special_tokens=False) for ids in self._response_lists(gen)]
+            make = self._maker(ctx, prompt_ids, prompt_mask, gen, group, indices, prompts, responses, t1 - t0,
+                               self._episode_fields(gen))
+            batch_out = make(episodes.returns(), 0.0, episodes)
+            batch_out.truncated = gen.truncated | torch.tensor(episodes.env_truncated, device=gen.truncated.device)
             return batch_out
-        gen = self._episodes(dm, model, prompt_ids, prompt_mask, episodes, turn_tokens, {**common, **extras})
+        gen = _on(self._generate(ctx.engine, rows, group, params), ctx.device)
         t1 = time.perf_counter()
-        responses = [tok.decode(ids, skip_special_tokens=False) for ids in self._response_lists(gen)]
-        make = self._maker(dm, prompt_ids, prompt_mask, gen, group, indices, prompts, responses, t1 - t0,
-                           self._episode_fields(gen))
-        batch_out = make(episodes.returns(), 0.0, episodes)
-        batch_out.truncated = gen.truncated | torch.tensor(episodes.env_truncated, device=gen.truncated.device)
+        lengths = gen.mask.sum(dim=1).tolist()
+        responses = tok.batch_decode([row[:n] for row, n in zip(gen.response_ids.tolist(), lengths)],
+                                     skip_special_tokens=True)
+        fields: dict[str, Any] = {name: getattr(gen, name) for name in ("topk_ids", "topk_logprobs", "aux_ids")
+                                  if getattr(gen, name, None) is not None}
+        make = self._maker(ctx, prompt_ids, prompt_mask, gen, group, indices, prompts, responses, t1 - t0, fields)
+        over = []
+        try:
+            for row, response in enumerate(responses):
+                over.append(episodes.step(row, response)[1])
+        except RewardError as err:  # keep the responses so the failure can be replayed (FailureDump)
+            if train:
+                err.rollout_batch = make(episodes.returns(), time.perf_counter() - t1)  # type: ignore[attr-defined]
+            raise
+        batch_out = make(episodes.returns(), time.perf_counter() - t1, episodes)
+        # as in sample_episodes: the environment truncated it, or the turn limit ends an episode that goes on
+        cut = [truncated or not done for truncated, done in zip(episodes.env_truncated, over)]
+        batch_out.truncated = gen.truncated | torch.tensor(cut, device=gen.truncated.device)
         return batch_out
 
-    def _episodes(self, dm: RolloutDataModule, model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor,
-                  episodes: _Episodes, turn_tokens: int, common: dict[str, Any]):  # noqa: ANN202
-        tok = dm.tokenizer
-        firsts = [row[mask.bool()].tolist() for row, mask in zip(prompt_ids.cpu(), prompt_mask.cpu())]
-        budget = self.max_episode_tokens or 2 * self.max_turns * turn_tokens
+    @staticmethod
+    def _generate(engine: RolloutEngine, rows: list[list[int]], group: int, params: SamplingParams) -> Generation:
+        """One generate call: ``n = group`` samples of each prompt when a group's rows are one prompt."""
+        if group > 1 and all(rows[k] == rows[k - k % group] for k in range(len(rows))):
+            return engine.generate(rows[::group], params, n=group)
+        return engine.generate(rows, params)
+
+    def _episodes(self, ctx: RolloutContext, rows: list[list[int]], episodes: _Episodes, params: SamplingParams
+                  ) -> Any:
+        tok = ctx.tokenizer
+        budget = self.max_episode_tokens or 2 * self.max_turns * params.max_tokens
 
         def observe(rows: list[int], actions: list[list[int]]) -> list[list[int] | None]:
             out: list[list[int] | None] = []
@@ -163,12 +211,12 @@ class GroupRollout(RolloutStrategy):
                 episodes.pending[row] = []
                 obs, over = episodes.step(row, text)
                 closed = bool(ids) and ids[-1] == tok.eos_token_id
-                out.append(None if over else dm.encode_observation(episodes, row, obs, closed))
+                out.append(None if over else episodes.observation_ids(ctx.encoder, row, obs, closed))
             return out
 
         stop = self._stop_check(tok) if self.stop_strings else None
-        return sample_episodes(model, firsts, observe, max_turns=self.max_turns, max_turn_tokens=turn_tokens,
-                               max_episode_tokens=budget, stop=stop, carry_cache=self.carry_cache, **common)
+        return sample_episodes(ctx.engine, rows, observe, params=params, max_turns=self.max_turns,
+                               max_episode_tokens=budget, stop=stop, carry_cache=self.carry_cache, device=ctx.device)
 
     def _stop_check(self, tok: Any) -> Callable[[int, list[int]], bool]:
         def stop(row: int, ids: list[int]) -> bool:
@@ -190,7 +238,7 @@ class GroupRollout(RolloutStrategy):
         return [row[m].tolist() for row, m in zip(gen.response_ids.cpu(), real.cpu())]
 
     @staticmethod
-    def _maker(dm: RolloutDataModule, prompt_ids: Tensor, prompt_mask: Tensor, gen: Any, group: int,
+    def _maker(ctx: RolloutContext, prompt_ids: Tensor, prompt_mask: Tensor, gen: Any, group: int,
                indices: list[int], prompts: list[Prompt], responses: list[str], rollout_time: float,
                fields: dict[str, Any]) -> Callable[..., RolloutBatch]:
         device = prompt_ids.device
@@ -205,100 +253,13 @@ class GroupRollout(RolloutStrategy):
                 prompt_ids, prompt_mask, gen, rewards=torch.tensor(returns, dtype=torch.float32, device=device),
                 group_size=group, prompt_index=torch.tensor(indices, dtype=torch.long, device=device),
                 prompt_id=torch.tensor([p.uid for p in prompts], dtype=torch.long, device=device),
-                temperature=dm.temperature, top_p=dm.top_p, prompts=prompts, responses=responses,
+                temperature=ctx.params.temperature, top_p=ctx.params.top_p, prompts=prompts, responses=responses,
                 rollout_time=rollout_time, reward_time=reward_time,
                 env_errors=episodes.errors if episodes is not None else 0, **extra)
         return make
 
 
-@dataclass
-class Branch:
-    """A point to continue from: a prompt, the response ids after its first observation, the environment's
-    state there, and the ids of the turn it is in the middle of (part of that turn's action).
-
-    ``turns`` are the texts ``(action, observation)`` of the turns the prefix completed; with a chat template
-    (``use_chat_template``) the continuation's observations are rendered after that whole conversation, so a
-    branched trajectory is the template's rendering of it, as an unbranched episode is. Without a template they
-    are only history (the environment's state is ``env_state``).
-    """
-
-    prompt: Prompt
-    prefix_ids: list[int] = field(default_factory=list)
-    env_state: Any = None  # ``Environment.snapshot()`` at the end of the prefix; None: the state after reset
-    pending_ids: list[int] = field(default_factory=list)  # the unfinished turn's ids (a suffix of prefix_ids)
-    turns: list[tuple[str, str]] = field(default_factory=list)  # (action, observation) texts of the prefix
-    prompt_index: int = -1  # the prompt's stream index (its rows' ``RolloutBatch.prompt_index``); -1: none
-
-
-class BranchRollout(GroupRollout):
-    """Continue ``n`` times from each of the branches a method sets (TEMPO's macro-steps from saved environment
-    states, AC2's continuations of response prefixes).
-
-    Each branch gives ``n`` contiguous rows (``group_size = n``): the prompt part of a row is the branch's
-    first observation followed by its prefix ids (context, no loss); the response is the continuation, for up
-    to ``max_turns`` more turns in the environment restored to ``env_state``. The first action the
-    environment sees is the branch's ``pending_ids`` followed by what was sampled; a row's ``prompt_index`` is
-    its branch's. Held-out batches are plain greedy episodes, whatever the branches' limits: a
-    ``GroupRollout`` of up to ``Task.episode_turns()`` turns (the branches' ``max_turns`` for a task that does not
-    say) of the data module's ``max_new_tokens`` each, with the default episode budget.
-
-    The branches of a step are read when its rollout starts: ``set_branches(list)`` for the next step, or
-    ``branches_from(fn)`` with ``fn(step) -> list[Branch]`` called at every step.
-    """
-
-    def __init__(self, n: int = 4, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        if n < 1:
-            raise ValueError(f"BranchRollout: n must be >= 1, got {n}")
-        self.n = n
-        self._next: list[Branch] | None = None
-        self._fn: Callable[[int], list[Branch]] | None = None
-
-    def set_branches(self, branches: list[Branch]) -> None:
-        """Branch from ``branches`` at the next training step."""
-        self._next = list(branches)
-
-    def branches_from(self, fn: Callable[[int], list[Branch]] | None) -> None:
-        """Ask ``fn(step)`` for the branches of every training step (``None``: stop asking)."""
-        self._fn = fn
-
-    def heldout(self, dm: RolloutDataModule) -> GroupRollout:
-        """The strategy of held-out episodes: plain ones, limited by the task, not by the branches' limits."""
-        return GroupRollout(max_turns=dm.task.episode_turns() or self.max_turns, stop_strings=self.stop_strings,
-                            env_errors=self.env_errors, carry_cache=self.carry_cache)
-
-    def rollout(self, dm: RolloutDataModule, batch: PromptBatch, model: nn.Module,
-                generator: torch.Generator | None) -> RolloutBatch:
-        if batch.split != "train":
-            return self.heldout(dm).rollout(dm, batch, model, generator)
-        branches = self._next if self._next is not None else self._fn(batch.step) if self._fn else None
-        self._next = None
-        if not branches:
-            raise ValueError(f"BranchRollout: no branches for step {batch.step} (set_branches or branches_from)")
-        tok = dm.tokenizer
-        device = next(model.parameters()).device
-        prompts = [b.prompt for b in branches for _ in range(self.n)]
-        seeds = [(dm.seed * 1_000_003 + batch.step) * 97 + k for k in range(len(prompts))]
-        t0 = time.perf_counter()
-        episodes = _Episodes(dm, prompts, seeds, self.env_errors)
-        for row, branch in enumerate(b for b in branches for _ in range(self.n)):
-            if branch.env_state is not None:
-                episodes.envs[row].restore(branch.env_state)
-            episodes.pending[row] = list(branch.pending_ids)
-            episodes.actions[row] = [action for action, _ in branch.turns]
-            episodes.observations[row] = [observation for _, observation in branch.turns]
-        first_ids, first_mask = dm.encode_first(prompts, episodes.first, torch.device("cpu"))
-        contexts = [row[m.bool()].tolist() + list(b.prefix_ids) for row, m, b in
-                    zip(first_ids, first_mask, (b for b in branches for _ in range(self.n)))]
-        prompt_ids, prompt_mask = left_pad(contexts, tok.pad_token_id, device)
-        turn_tokens = self.max_turn_tokens or dm.max_new_tokens
-        common = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, temperature=dm.temperature,
-                      top_p=dm.top_p, greedy=False, generator=generator, **dm.sampler_extras(generator, batch.step))
-        gen = self._episodes(dm, model, prompt_ids, prompt_mask, episodes, turn_tokens, common)
-        responses = [tok.decode(ids, skip_special_tokens=False) for ids in self._response_lists(gen)]
-        indices = [b.prompt_index for b in branches for _ in range(self.n)]
-        make = self._maker(dm, prompt_ids, prompt_mask, gen, self.n, indices, prompts, responses,
-                           time.perf_counter() - t0, self._episode_fields(gen))
-        out = make(episodes.returns(), 0.0, episodes)
-        out.truncated = gen.truncated | torch.tensor(episodes.env_truncated, device=gen.truncated.device)
-        return out
+def _on(gen: Generation, device: torch.device) -> Generation:
+    """``gen`` with its tensors on ``device`` (an external engine's output, on its own device)."""
+    return replace(gen, **{name: value.to(device) for name, value in vars(gen).items()
+                           if isinstance(value, Tensor)})

@@ -61,7 +61,7 @@ def test_the_learner_never_consumes_a_batch_older_than_the_bound():
         with torch.no_grad():
             module.policy.lm_head.weight.add_(1.0)  # "five updates later" the learner's weights differ
         version[0] = 5
-        taken = [dm._take_produced(module) for _ in range(3)]
+        taken = [dm._take_produced() for _ in range(3)]
         assert all(5 - item.version <= 1 for item in taken)  # never older than the bound
         assert dm.dropped_batches >= 3  # the version-0 batches were dropped, not trained on
         steps = [item.step for item in taken]

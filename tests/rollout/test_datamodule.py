@@ -157,7 +157,7 @@ def test_rollout_is_on_policy(module):
 def test_val_batch_does_not_advance_cursor(module):
     dm = _dm(module, num_val_prompts=4, val_batch_size=4)
     dm.rollout(dm.val_prompt_batches()[0])
-    assert dm.cursor == 0 and dm.generator is None
+    assert dm.cursor == 0 and dm.sampling_params(dm.val_prompt_batches()[0]).seed is None  # greedy, unseeded
 
 
 def test_reward_error_names_prompt_and_response(module):
@@ -283,18 +283,18 @@ def test_sampler_sync_interval_two(module):
     assert not _same_weights(sampler, module.policy)  # a separate copy: the update does not reach it
 
     b1 = dm.rollout(dm.prompt_batch(1))  # step 1: 1 step since the sync, still stale
-    assert dm._sampler is sampler  # the same copy, not re-created
-    assert not _same_weights(dm._sampler, module.policy)
+    assert dm.sync.engine.model is sampler  # the same copy, not re-created
+    assert not _same_weights(sampler, module.policy)
     with torch.no_grad():
         lp_policy, _ = module.token_logprobs(b1)
-        lp_sampler, _ = module.token_logprobs(b1, model=dm._sampler)
+        lp_sampler, _ = module.token_logprobs(b1, model=sampler)
     m = b1.loss_mask.bool()
     assert (lp_sampler - b1.sampler_logprobs)[m].abs().max() <= _bound(module, b1)  # recorded under the stale sampler
     assert (lp_policy - b1.sampler_logprobs)[m].abs().max() > 1e-3  # ... so the mismatch is real
 
     b2 = dm.rollout(dm.prompt_batch(2))  # step 2: two steps passed, synced before generating
-    assert _same_weights(dm._sampler, module.policy)
-    assert dm._sampler is not module.policy
+    assert _same_weights(sampler, module.policy) and dm.sync.synced_at == 2 and dm.sync.version == 2
+    assert dm.sync.engine.model is sampler and sampler is not module.policy
     with torch.no_grad():
         lp2, _ = module.token_logprobs(b2)
     assert (lp2 - b2.sampler_logprobs)[b2.loss_mask.bool()].abs().max() <= _bound(module, b2)
@@ -332,6 +332,6 @@ def test_val_rollout_is_greedy_group_one(warm):
     pred = logits[:, out1.prompt_length - 1: out1.prompt_length - 1 + t].argmax(-1)
     m = out1.loss_mask.bool()
     assert torch.equal(pred[m], out1.response_ids[m])
-    assert dm._sampler is None  # validation uses the policy itself, never the lagged copy
+    assert not dm.sync.ready  # validation uses the policy itself, never the lagged copy
     total, count = dm.evaluate()
     assert count == 6 and total == float(out1.rewards.sum())

@@ -1,0 +1,125 @@
+"""``SamplerSync``: the weights the rollout engine samples with -- which, when they follow the learner's, in which
+dtype, and their version (the learner updates they had seen).
+
+* ``interval == 1``, no ``dtype``, synchronous, on an in-process engine: the engine generates with the learner's
+  policy itself (``ModuleEngine.bound``); every rollout sees the current weights and nothing is copied.
+* Otherwise the engine holds weights of its own (``RolloutEngine.setup``: for the in-process engines a copy of
+  the policy in ``dtype``), made at the first training rollout, and takes the learner's (``load_weights``) once
+  ``interval`` steps have passed since it last did: a lagged sampler (``sampler_sync_interval``) or a
+  low-precision one (``sampler_dtype``). A checkpoint keeps those weights, so a resumed run samples as the
+  straight one.
+* Asynchronous rollouts (``publish`` / ``refresh``): the learner publishes a snapshot of its weights whenever it
+  takes a batch; the producer's thread loads the newest before each generation.
+
+Held-out rollouts use the learner's current weights (``current``): an in-process engine bound to the policy;
+another engine loads them (a sync, from which its lag restarts).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from torch import Tensor, nn
+
+from rl_lightning.rollout.engine import IN_PROCESS, RolloutEngine
+
+
+class SamplerSync:
+    """Owns the sampling weights of ``engine`` (see the module docstring).
+
+    Args:
+        engine: the rollout engine.
+        interval: training steps between two syncs (1: every step).
+        dtype: the sampler's dtype (``None``: the policy's own).
+        asynchronous: the engine samples on a producer thread, with weights of its own (``publish``/``refresh``).
+    """
+
+    def __init__(self, engine: RolloutEngine, interval: int = 1, dtype: str | None = None,
+                 asynchronous: bool = False) -> None:
+        self.engine, self.interval, self.dtype, self.asynchronous = engine, interval, dtype, asynchronous
+        self.synced_at = -1  # the training step at which the engine's weights were last the learner's
+        self.ready = False  # the engine's own weights were set up
+        self._views: dict[int, RolloutEngine] = {}  # in-process engines bound to a policy, by id(policy)
+        self._pending: dict[str, Any] | None = None
+        self._published: tuple[int, dict[str, Tensor]] | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def live(self) -> bool:
+        """Whether training rollouts generate with the learner's policy itself (no copy, no sync)."""
+        return (self.interval == 1 and self.dtype is None and not self.asynchronous
+                and IN_PROCESS in self.engine.capabilities)
+
+    @property
+    def version(self) -> int:
+        """The version of the weights the engine's training rollouts sample with."""
+        return self.engine.version
+
+    def _view(self, policy: nn.Module) -> RolloutEngine:
+        if id(policy) not in self._views:
+            self._views = {id(policy): self.engine.bound(policy)}
+        return self._views[id(policy)]
+
+    def start(self, policy: nn.Module, version: int) -> RolloutEngine:
+        """Set up the engine's own weights from ``policy`` (once; a resumed run's saved ones replace them)."""
+        if not self.ready:
+            self.engine.setup(policy, self.dtype, version)
+            self.ready, self.synced_at = True, version
+            if self._pending is not None:
+                self.engine.load_weights(self._pending["sampler"], self._pending["sampler_synced_at"])
+                self.synced_at, self._pending = self._pending["sampler_synced_at"], None
+        return self.engine
+
+    def for_step(self, policy: nn.Module, step: int) -> RolloutEngine:
+        """The engine ready for training step ``step``: synced if ``interval`` steps have passed."""
+        if self.live:
+            return self._view(policy)
+        engine = self.start(policy, step)
+        if step - self.synced_at >= self.interval:
+            engine.load_weights(policy.state_dict(), step)
+            self.synced_at = step
+        return engine
+
+    def current(self, policy: nn.Module, version: int) -> RolloutEngine:
+        """An engine that samples with the learner's weights now (after ``version`` updates)."""
+        if IN_PROCESS in self.engine.capabilities:
+            return self._view(policy)
+        engine = self.start(policy, version)
+        if engine.version != version:
+            engine.load_weights(policy.state_dict(), version)
+            self.synced_at = version
+        return engine
+
+    def model(self, policy: nn.Module, step: int) -> nn.Module | None:
+        """The module training step ``step`` samples with (in-process engines; ``None`` for others)."""
+        return getattr(self.for_step(policy, step), "model", None)
+
+    # ------------------------------------------------------------------ asynchronous rollouts
+    def publish(self, policy: nn.Module, version: int) -> None:
+        """Offer the learner's current weights (after ``version`` updates) to the producer (a snapshot)."""
+        state = {k: v.detach().clone() for k, v in policy.state_dict().items()}
+        with self._lock:
+            self._published = (version, state)
+
+    def refresh(self) -> None:
+        """Load the newest published weights if they are newer than the engine's (the producer's thread)."""
+        with self._lock:
+            if self._published is not None and self._published[0] > self.engine.version:
+                version, state = self._published
+                self.engine.load_weights(state, version)
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        """The lagged sampler's weights and sync step (nothing when it samples with the policy or asynchronously:
+        those weights are the learner's)."""
+        weights = self.engine.weights() if self.ready and not self.asynchronous else None
+        if weights is None:
+            return {}
+        return {"sampler": {k: v.detach().cpu() for k, v in weights.items()}, "sampler_synced_at": self.synced_at}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Sample with the saved weights from the next training rollout on (applied when the engine is set up)."""
+        self.ready, self._published, self._views = False, None, {}
+        self._pending = dict(state) if "sampler" in state else None
+
