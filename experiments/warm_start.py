@@ -37,50 +37,37 @@ Reproduce (from anywhere; relative ``--out`` paths are taken from the repository
 from __future__ import annotations
 
 import argparse
-import copy
-import json
-import platform
 import sys
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+EXPERIMENTS = str(Path(__file__).resolve().parent)
+if EXPERIMENTS not in sys.path:
+    sys.path.insert(0, EXPERIMENTS)
 
-import tokenizers  # noqa: E402
 import torch  # noqa: E402
-import transformers  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel  # noqa: E402
-from transformers import PreTrainedTokenizerBase  # noqa: E402
+import warm_start_common as common  # noqa: E402
+from transformers import PreTrainedModel, PreTrainedTokenizerBase  # noqa: E402
 
-from rl_lightning.envs.arithmetic import ArithmeticTask  # noqa: E402
-from rl_lightning.envs.base import Prompt  # noqa: E402
-from rl_lightning.models.policy import build_tiny_policy  # noqa: E402
+from rl_lightning.envs import ArithmeticTask, Prompt  # noqa: E402
 
 MAX_NEW_TOKENS = 6  # the configs' data.init_args.max_new_tokens: a 4-digit sum + <eos> fits
 DEFAULT_OUT = Path("rl_lightning/models/assets/arithmetic")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    p = common.parser(__doc__)
     p.add_argument("--seed", type=int, default=0, help="seeds the model init (and all torch randomness)")
     p.add_argument("--num-digits", type=int, default=2, help="digits per operand of the ArithmeticTask")
     p.add_argument("--operations", nargs="+", default=["+"], choices=["+", "-", "*"],
                    help="operators of the ArithmeticTask (quote '*' in the shell)")
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (constant)")
+    common.add_options(p, "--lr")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--eval-every", type=int, default=25, help="steps between evaluations once accuracy >= --fine-from")
     p.add_argument("--coarse-eval-every", type=int, default=100, help="steps between evaluations before that")
     p.add_argument("--fine-from", type=float, default=0.05, help="accuracy at which evaluation becomes fine-grained")
-    p.add_argument("--target-accuracy", type=float, default=0.30, help="stop at the first eval at or above this")
-    p.add_argument("--max-accuracy", type=float, default=0.50, help="fail if the first eval >= target exceeds this")
-    p.add_argument("--max-steps", type=int, default=3000)
-    p.add_argument("--no-refine", dest="refine", action="store_false",
-                   help="on overshoot, fail at once instead of replaying the last interval step by step")
+    common.add_window_options(p, "accuracy")
+    common.add_options(p, "--max-steps", "--no-refine")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT,
                    help="output directory (relative paths are taken from the repository root); required "
                         "when the task is not the default one, so embedded:arithmetic is never overwritten")
@@ -107,17 +94,7 @@ def make_batch(
         target = [*tokenizer(prompt.answer, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
         rows.append(prefix + target)
         label_rows.append([-100] * len(prefix) + target)
-    return padded_batch(rows, label_rows, tokenizer.pad_token_id)
-
-
-def padded_batch(rows: list[list[int]], label_rows: list[list[int]], pad: int) -> dict[str, torch.Tensor]:
-    """Right-padded ``input_ids`` / ``attention_mask`` / ``labels`` (-100 on padding) of token-id rows."""
-    width = max(len(r) for r in rows)
-    return {
-        "input_ids": torch.tensor([r + [pad] * (width - len(r)) for r in rows]),
-        "attention_mask": torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows]),
-        "labels": torch.tensor([r + [-100] * (width - len(r)) for r in label_rows]),
-    }
+    return common.padded_batch(rows, label_rows, tokenizer.pad_token_id)
 
 
 @torch.no_grad()
@@ -154,11 +131,8 @@ def heldout_accuracy(
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    out = args.out if args.out.is_absolute() else REPO_ROOT / args.out
-    if not 0 < args.target_accuracy <= args.max_accuracy:
-        raise SystemExit(
-            f"need 0 < --target-accuracy ({args.target_accuracy}) <= --max-accuracy ({args.max_accuracy})"
-        )
+    out = common.output_dir(args.out)
+    window = common.check_window(args, "accuracy")
     if (args.num_digits, args.operations) != (2, ["+"]) and args.out == DEFAULT_OUT:
         raise SystemExit(
             f"--num-digits {args.num_digits} --operations {' '.join(args.operations)} is not the task of "
@@ -166,127 +140,68 @@ def main(argv: list[str] | None = None) -> dict:
         )
 
     t0 = time.perf_counter()
-    torch.manual_seed(args.seed)
-    torch.use_deterministic_algorithms(True)
-    model, tokenizer = build_tiny_policy(seed=args.seed)
-    model.train()
+    model, tokenizer, optimizer = common.tiny_policy(args.seed, args.lr)
     task = ArithmeticTask(num_digits=args.num_digits, operations=args.operations)
     heldout = task.heldout_prompts()
     longest = max(len(tokenizer(p.answer, add_special_tokens=False)["input_ids"]) for p in heldout)
     if longest + 1 > MAX_NEW_TOKENS:
         raise SystemExit(f"answers of up to {longest} tokens + <eos> do not fit in {MAX_NEW_TOKENS} new tokens")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
-    def train_step(step: int) -> float:
-        batch = make_batch(task, tokenizer, step, args.batch_size)
-        loss = model(**batch).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        return loss.item()
-
-    history: list[dict] = []
-    accuracy = heldout_accuracy(model, tokenizer, heldout)
-    history.append({"step": 0, "accuracy": accuracy})
-    fine = accuracy >= args.fine_from
-    next_eval = args.eval_every if fine else args.coarse_eval_every
-    snapshot = (0, copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict()))
-    step, loss, reached, refining = 0, float("nan"), False, False
-    bar = tqdm(total=args.max_steps, desc="warm start", unit="step", dynamic_ncols=True)
-    bar.set_postfix(acc=f"{accuracy:.3f}")
-    while step < args.max_steps:
-        loss = train_step(step)
-        step += 1
-        bar.update(1)
-        if step % 10 == 0:
-            bar.set_postfix(loss=f"{loss:.3f}", acc=f"{accuracy:.3f}")
-        if step < next_eval:
-            continue
+    def evaluate(loss: float | None) -> common.Evaluation:
         accuracy = heldout_accuracy(model, tokenizer, heldout)
-        history.append({"step": step, "accuracy": accuracy, **({"refine": True} if refining else {})})
-        tag = "  (refine)" if refining else ""
-        bar.write(f"step {step:5d}  loss {loss:.4f}  held-out accuracy {accuracy:.3f}{tag}")
-        bar.set_postfix(loss=f"{loss:.3f}", acc=f"{accuracy:.3f}")
-        if accuracy >= args.target_accuracy:
-            if accuracy <= args.max_accuracy:
-                reached = True
-                break
-            if args.refine and not refining and step - snapshot[0] > 1:
-                # Overshot between two evaluations: training is a pure function of the step index, so rewind
-                # to the last evaluated state and replay the same steps, evaluating after every one of them.
-                step_at_snapshot, model_state, optim_state = snapshot
-                bar.write(
-                    f"overshot ({accuracy:.3f} > {args.max_accuracy}); replaying steps "
-                    f"{step_at_snapshot + 1}..{step} with an evaluation after each"
-                )
-                model.load_state_dict(model_state)
-                optimizer.load_state_dict(optim_state)
-                bar.update(step_at_snapshot - step)
-                step, refining, next_eval = step_at_snapshot, True, step_at_snapshot + 1
-                continue
-            bar.close()
-            raise SystemExit(
-                f"warm start overshot: held-out accuracy jumped to {accuracy:.3f} > {args.max_accuracy} at "
-                f"step {step} without an evaluation landing in [{args.target_accuracy}, {args.max_accuracy}] "
-                f"(history: {history[-3:]}). Rerun with a smaller --eval-every (e.g. 10) or a smaller --lr."
-            )
+        return common.Evaluation(accuracy, {"accuracy": accuracy}, f"held-out accuracy {accuracy:.3f}",
+                                 {"acc": f"{accuracy:.3f}"})
+
+    fine = False
+
+    def interval(accuracy: float) -> int:  # coarse until the accuracy first reaches --fine-from
+        nonlocal fine
         fine = fine or accuracy >= args.fine_from
-        next_eval = step + (1 if refining else args.eval_every if fine else args.coarse_eval_every)
-        if args.refine and not refining:
-            snapshot = (step, copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict()))
-    bar.close()
-    if not reached:
+        return args.eval_every if fine else args.coarse_eval_every
+
+    run = common.train(model, optimizer,
+                       lambda step: common.supervised_step(model, optimizer,
+                                                           make_batch(task, tokenizer, step, args.batch_size)),
+                       evaluate, desc="warm start", max_steps=args.max_steps, interval=interval, window=window,
+                       refine=args.refine, postfix_every=10)
+    step, accuracy = run.step, run.last.score
+    if run.overshot:
+        raise SystemExit(
+            f"warm start overshot: held-out accuracy jumped to {accuracy:.3f} > {args.max_accuracy} at "
+            f"step {step} without an evaluation landing in [{args.target_accuracy}, {args.max_accuracy}] "
+            f"(history: {run.history[-3:]}). Rerun with a smaller --eval-every (e.g. 10) or a smaller --lr."
+        )
+    if not run.reached:
         raise SystemExit(
             f"warm start did not reach --target-accuracy {args.target_accuracy} within --max-steps "
             f"{args.max_steps} (last held-out accuracy {accuracy:.3f}); raise --max-steps or --lr."
         )
     train_seconds = time.perf_counter() - t0
 
-    out.mkdir(parents=True, exist_ok=True)
     model.eval()
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-
-    # Reload exactly as the package will, and check the saved checkpoint scores the same.
-    reloaded = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
-    reloaded_tok = AutoTokenizer.from_pretrained(out, local_files_only=True)
-    reloaded_accuracy = heldout_accuracy(reloaded, reloaded_tok, heldout)
+    common.save(model, tokenizer, out)
+    reloaded_accuracy = heldout_accuracy(*common.reload(out), heldout)
     if reloaded_accuracy != accuracy:
         raise SystemExit(f"reloaded checkpoint scores {reloaded_accuracy:.3f}, expected {accuracy:.3f}")
 
     record = {
-        "seed": args.seed,
-        "lr": args.lr,
-        "batch_size": args.batch_size,
-        "optimizer": "AdamW",
+        **common.settings_record(args),
         "steps": step,
         "examples_seen": step * args.batch_size,
         "heldout_accuracy": accuracy,
         "heldout_size": len(heldout),
         "target_accuracy": args.target_accuracy,
         "max_accuracy": args.max_accuracy,
-        "refined": refining,
-        "eval_history": history,
-        "wall_time_s": round(time.perf_counter() - t0, 2),
-        "train_time_s": round(train_seconds, 2),
-        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "refined": run.refined,
+        "eval_history": run.history,
+        **common.timing_record(t0, train_seconds, model),
         "task": {"class": "ArithmeticTask", "num_digits": task.num_digits, "operations": task.operations,
                  "seed": task.seed},
         "max_new_tokens": MAX_NEW_TOKENS,
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "tokenizers": tokenizers.__version__,
-        },
-        "command": "python experiments/warm_start.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        **common.provenance_record(__file__, argv),
     }
-    (out / "warm_start.json").write_text(json.dumps(record, indent=2) + "\n")
-    print(
-        f"saved to {out}: {step} steps, held-out accuracy {accuracy:.3f} "
-        f"(reloaded: {reloaded_accuracy:.3f}), {record['wall_time_s']:.1f}s"
-    )
-    return record
+    return common.finish(out, record, f"{step} steps, held-out accuracy {accuracy:.3f} (reloaded: "
+                                      f"{reloaded_accuracy:.3f})")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ the tool on some held-out problems (nearly always right) and answers the others 
 raise the first share.
 
 Token layout, exactly what ``GroupRollout(max_turns=3)`` of ``RolloutDataModule`` feeds the model (no chat
-template, ``add_bos``), built by ``episode_ids`` of ``experiments/warm_start_guess.py``: ``<bos>`` + the first
+template, ``add_bos``), built by ``episode_ids`` of ``experiments/warm_start_common.py``: ``<bos>`` + the first
 observation's characters (``"37*8="``); then per turn the action's characters and ``<eos>``, followed (unless the
 episode ended) by the observation's characters: ``<bos>37*8=c37*8<eos>=296:296<eos>`` or ``<bos>37*8=296<eos>``.
 The loss covers only the model's turns and their ``<eos>`` (the prompt and observations are -100). After training
@@ -56,61 +56,45 @@ Reproduce (from anywhere)::
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import random
 import sys
 import time
 from pathlib import Path
+from typing import Iterable
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-for path in (REPO_ROOT, REPO_ROOT / "experiments"):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
+EXPERIMENTS = str(Path(__file__).resolve().parent)
+if EXPERIMENTS not in sys.path:
+    sys.path.insert(0, EXPERIMENTS)
 
-import tokenizers  # noqa: E402
 import torch  # noqa: E402
-import transformers  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel  # noqa: E402
+import warm_start_common as common  # noqa: E402
 from transformers import PreTrainedTokenizerBase  # noqa: E402
-from warm_start import padded_batch  # noqa: E402
-from warm_start_guess import episode_datamodule, episode_ids, greedy_success, sampled_success  # noqa: E402
-from warm_start_guess import validate_with_library as validate_episodes  # noqa: E402
 
 from rl_lightning.envs.calculator import CalculatorTask  # noqa: E402
-from rl_lightning.models.policy import build_tiny_policy  # noqa: E402
-from rl_lightning.rollout import GroupRollout, RolloutBatch, RolloutDataModule  # noqa: E402
+from rl_lightning.rollout import RolloutBatch, RolloutDataModule  # noqa: E402
 
-MAX_NEW_TOKENS = 6  # data.init_args.max_new_tokens of configs/tasks/calculator.yaml: "c99*9" + <eos>
-MAX_TURNS = 3  # GroupRollout(max_turns=...) of configs/tasks/calculator.yaml (= CalculatorTask.max_calls + 1)
-MAX_EPISODE_TOKENS = 32  # GroupRollout(max_episode_tokens=...): 3 turns of 6 + 2 observations of <= 7 ("=99999:")
-MAX_POSITIONS = 64  # the tiny Llama's max_position_embeddings
+# configs/tasks/calculator.yaml: max_new_tokens "c99*9" + <eos>; GroupRollout(max_turns = CalculatorTask.max_calls
+# + 1, max_episode_tokens: 3 turns of 6 + 2 observations of <= 7 ("=99999:"))
+PRESET = common.EpisodePreset(CalculatorTask, val_batch_size=100, max_new_tokens=6, max_turns=3, max_episode_tokens=32)
 DEFAULT_OUT = Path("rl_lightning/models/assets/calculator")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    p = common.parser(__doc__)
     p.add_argument("--seed", type=int, default=0, help="seeds the model init, the episode mix and all torch randomness")
     p.add_argument("--tool-fraction", type=float, default=0.3, help="share of training episodes that use the tool")
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (constant)")
+    common.add_options(p, "--lr")
     p.add_argument("--batch-size", type=int, default=64, help="episodes per step")
     p.add_argument("--eval-every", type=int, default=10, help="steps between greedy held-out evaluations")
-    p.add_argument("--target-success", type=float, default=0.30, help="lowest greedy held-out success accepted")
-    p.add_argument("--max-success", type=float, default=0.50, help="highest greedy held-out success accepted")
+    common.add_window_options(p, "success", "lowest greedy held-out success accepted",
+                              "highest greedy held-out success accepted")
     p.add_argument("--min-tool-rate", type=float, default=0.10,
                    help="lowest greedy held-out tool-call rate accepted (RL needs tool calls to reinforce)")
     p.add_argument("--min-tool-success", type=float, default=0.90,
                    help="lowest greedy success of the held-out episodes that call the tool (copying is learned)")
     p.add_argument("--max-tool-rate", type=float, default=0.50,
                    help="highest greedy held-out tool-call rate accepted (the policy must still answer directly)")
-    p.add_argument("--max-steps", type=int, default=3000)
-    p.add_argument("--sampled-steps", type=int, default=8,
-                   help="training batches (16 prompts x 8 episodes, temperature 1) the sampled success is measured on")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                   help="output directory (relative paths are taken from the repository root)")
+    common.add_options(p, "--max-steps", "--sampled-steps")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=common.OUT_HELP)
     return p.parse_args(argv)
 
 
@@ -137,52 +121,29 @@ def demo_episode(task: CalculatorTask, index: int, use_tool: bool) -> tuple[str,
 
 def uses_tool(index: int, seed: int, tool_fraction: float) -> bool:
     """Whether training episode ``index`` is a tool-use one (a pure function of seed and index)."""
-    return random.Random((seed * 1_000_003 + index) * 31 + 17).random() < tool_fraction
+    return common.episode_rng(seed, index).random() < tool_fraction
 
 
 def make_batch(task: CalculatorTask, tokenizer: PreTrainedTokenizerBase, step: int, batch_size: int, seed: int,
                tool_fraction: float) -> dict[str, torch.Tensor]:
-    """Right-padded training episodes (positions 0..n-1 on the real tokens, as in left-padded generation)."""
-    rows, label_rows = [], []
-    for row in range(batch_size):
-        index = step * batch_size + row
-        ids, labels = episode_ids(tokenizer, *demo_episode(task, index, uses_tool(index, seed, tool_fraction)))
-        if len(ids) > MAX_POSITIONS:
-            raise SystemExit(f"an episode of {len(ids)} tokens does not fit in {MAX_POSITIONS} positions")
-        rows.append(ids)
-        label_rows.append(labels)
-    return padded_batch(rows, label_rows, tokenizer.pad_token_id)
+    """Right-padded training episodes in the rollout's layout (``common.episode_ids``)."""
+    indices = range(step * batch_size, (step + 1) * batch_size)
+    return common.episode_batch(tokenizer, (demo_episode(task, i, uses_tool(i, seed, tool_fraction)) for i in indices))
 
 
 # ---------------------------------------------------------------------------------------------- evaluation
-def make_datamodule(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, seed: int = 0) -> RolloutDataModule:
-    """The data module of ``configs/tasks/calculator.yaml`` (with the method configs' 16 prompts x 8), attached to
-    ``model`` through a stand-in trainer so its rollouts can be called directly."""
-    return episode_datamodule(CalculatorTask(), model, tokenizer, seed, val_batch_size=100,
-                              max_new_tokens=MAX_NEW_TOKENS, max_turns=MAX_TURNS, max_episode_tokens=MAX_EPISODE_TOKENS)
-
-
-def turn_ids(batch: RolloutBatch, row: int) -> list[list[int]]:
-    """The ids the model sampled in each turn of episode ``row`` (``<eos>`` included where the turn closed)."""
-    response = batch.input_ids[row, batch.prompt_length:].tolist()
-    turn_index = batch.turn_index[row].tolist()
-    return [[tok for tok, t in zip(response, turn_index) if t == k] for k in range(int(batch.num_turns[row]))]
-
-
 def called_tool(batch: RolloutBatch, tokenizer: PreTrainedTokenizerBase) -> list[bool]:
     """Per episode: whether its first turn is a tool call (starts with ``c``)."""
-    return [tokenizer.decode(turn_ids(batch, row)[0], skip_special_tokens=True).strip().startswith("c")
+    return [tokenizer.decode(common.turn_ids(batch, row)[0], skip_special_tokens=True).strip().startswith("c")
             for row in range(batch.num_rows)]
 
 
 @torch.no_grad()
-def tool_use(dm: RolloutDataModule, batches: list) -> dict:
-    """Rollouts of ``batches`` (greedy for held-out ones): tool-call rate, success, and success split by whether
-    the episode called the tool."""
+def tool_use(tokenizer: PreTrainedTokenizerBase, rollouts: Iterable[RolloutBatch]) -> dict:
+    """Tool-call rate, success, and success split by whether the episode called the tool, over ``rollouts``."""
     tool, reward = [], []
-    for prompt_batch in batches:
-        batch = dm.rollout(prompt_batch)
-        tool += called_tool(batch, dm.tokenizer)
+    for batch in rollouts:
+        tool += called_tool(batch, tokenizer)
         reward += batch.rewards.tolist()
     with_tool = [r for t, r in zip(tool, reward) if t]
     direct = [r for t, r in zip(tool, reward) if not t]
@@ -193,156 +154,79 @@ def tool_use(dm: RolloutDataModule, batches: list) -> dict:
 
 
 def heldout_tool_use(dm: RolloutDataModule) -> dict:
-    return tool_use(dm, dm.val_prompt_batches())
+    """``tool_use`` of the greedy held-out rollouts."""
+    return tool_use(dm.tokenizer, (dm.rollout(batch) for batch in dm.val_prompt_batches()))
 
 
-def sampled_tool_use(dm: RolloutDataModule, steps: int) -> dict:
-    dm.cursor = 0
-    out = tool_use(dm, [dm.prompt_batch(step) for step in range(steps)])  # rolled out in order: the cursor follows
-    dm.cursor = 0
-    return out
-
-
-@torch.no_grad()
-def check_layout(dm: RolloutDataModule, tokenizer: PreTrainedTokenizerBase, steps: int = 2) -> dict:
-    """Rebuild sampled rollouts' ids with ``episode_ids`` and compare with ``RolloutBatch.input_ids``.
-
-    Actions come from the model tokens (``turn_index``) of each row; observations from replaying the actions in
-    a fresh environment of the task. Turns cut without ``<eos>`` (not in the training layout) are counted, not
-    compared.
-    """
-    eos = tokenizer.eos_token_id
-    task = dm.task
-    compared, skipped, with_tool = 0, 0, 0
-    dm.cursor = 0
-    for step in range(steps):
-        batch = dm.rollout(dm.prompt_batch(step))
-        for row in range(batch.num_rows):
-            ids = batch.input_ids[row][batch.attention_mask[row].bool()].tolist()
-            turns = turn_ids(batch, row)
-            if any(not t or t[-1] != eos for t in turns):
-                skipped += 1
-                continue
-            actions = [tokenizer.decode(t[:-1], skip_special_tokens=True) for t in turns]
-            env = task.make_env(batch.prompts[row], dm.reward_fn)
-            first, _ = env.reset()
-            observations, ret = [], 0.0
-            for action in actions:
-                obs, reward, terminated, truncated, _ = env.step(action)
-                observations.append(obs)
-                ret += reward
-            rebuilt, _ = episode_ids(tokenizer, first, actions, observations)
-            if rebuilt != ids:
-                raise SystemExit(
-                    f"token layout differs from the rollout's (step {step}, row {row}):\n  rollout {ids}\n"
-                    f"  rebuilt {rebuilt}\n  rollout text {tokenizer.decode(ids)!r}")
-            if ret != float(batch.rewards[row]):
-                raise SystemExit(f"replayed return {ret} != rollout reward {float(batch.rewards[row])} (row {row})")
-            compared += 1
-            with_tool += len(actions) > 1
-    dm.cursor = 0
-    if compared == 0 or with_tool == 0:
-        raise SystemExit(f"layout check compared {compared} episodes, {with_tool} with a tool call: too few")
-    return {"episodes_compared": compared, "episodes_with_a_tool_call": with_tool,
-            "episodes_with_a_cut_turn": skipped}
-
-
-def validate_with_library(out: Path) -> float:
-    """``val/reward`` of ``Trainer.validate`` on ``GRPO(model_name_or_path=out)`` with the preset's data module."""
-    return validate_episodes(out, RolloutDataModule(
-        task=CalculatorTask(), max_new_tokens=MAX_NEW_TOKENS, val_batch_size=100,
-        strategy=GroupRollout(max_turns=MAX_TURNS, max_episode_tokens=MAX_EPISODE_TOKENS)))
+def check_layout(dm: RolloutDataModule, tokenizer: PreTrainedTokenizerBase) -> dict:
+    """``common.check_layout`` on sampled rollouts, of which some must call the tool."""
+    compared, cut, _ = common.check_layout(dm, tokenizer)
+    with_tool = sum(len(actions) > 1 for actions in compared)
+    if not compared or not with_tool:
+        raise SystemExit(f"layout check compared {len(compared)} episodes, {with_tool} with a tool call: too few")
+    return {"episodes_compared": len(compared), "episodes_with_a_tool_call": with_tool,
+            "episodes_with_a_cut_turn": cut}
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    out = args.out if args.out.is_absolute() else REPO_ROOT / args.out
-    if not 0 < args.target_success <= args.max_success:
-        raise SystemExit(f"need 0 < --target-success ({args.target_success}) <= --max-success ({args.max_success})")
+    out = common.output_dir(args.out)
+    common.check_window(args, "success")
     if not 0 <= args.tool_fraction <= 1:
         raise SystemExit(f"need 0 <= --tool-fraction ({args.tool_fraction}) <= 1")
 
     t0 = time.perf_counter()
-    torch.manual_seed(args.seed)
-    torch.use_deterministic_algorithms(True)
-    model, tokenizer = build_tiny_policy(seed=args.seed, max_position_embeddings=MAX_POSITIONS)
-    model.train()
+    model, tokenizer, optimizer = common.tiny_policy(args.seed, args.lr, max_position_embeddings=common.MAX_POSITIONS)
     task = CalculatorTask()
-    if task.max_calls + 1 != MAX_TURNS:
-        raise SystemExit(f"CalculatorTask().max_calls={task.max_calls}: the preset's {MAX_TURNS} turns need 2")
-    dm = make_datamodule(model, tokenizer, seed=args.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    if task.max_calls + 1 != PRESET.max_turns:
+        raise SystemExit(f"CalculatorTask().max_calls={task.max_calls}: the preset's {PRESET.max_turns} turns need 2")
+    dm = PRESET.datamodule(model, tokenizer, seed=args.seed)
 
-    def train_step(step: int) -> float:
-        batch = make_batch(task, tokenizer, step, args.batch_size, args.seed, args.tool_fraction)
-        loss = model(**batch).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        return loss.item()
-
-    def evaluate() -> dict:
+    def evaluate(loss: float | None) -> common.Evaluation:
         model.eval()
         try:
-            return heldout_tool_use(dm)
+            stats = heldout_tool_use(dm)
         finally:
             model.train()
+        entry = {k: v for k, v in stats.items() if k != "episodes"}
+        text = (f"greedy held-out success {stats['success']:.3f}  tool calls {stats['tool_call_rate']:.2f} (right "
+                f"{stats['success_with_tool']}), direct right {stats['success_direct']}")
+        postfix = {"success": f"{stats['success']:.3f}", "tool": f"{stats['tool_call_rate']:.2f}"}
+        return common.Evaluation(stats["success"], entry if loss is None else {"loss": round(loss, 4), **entry}, text,
+                                 postfix, stats)
 
-    def accepted(stats: dict) -> bool:
+    def accepted(evaluation: common.Evaluation) -> bool:
+        stats = evaluation.stats
         return (args.target_success <= stats["success"] <= args.max_success
                 and args.min_tool_rate <= stats["tool_call_rate"] <= args.max_tool_rate
                 and (stats["success_with_tool"] or 0.0) >= args.min_tool_success)
 
-    history: list[dict] = [{"step": 0, **{k: v for k, v in evaluate().items() if k != "episodes"}}]
-    step, loss, reached, stats = 0, float("nan"), False, history[0]
-    bar = tqdm(total=args.max_steps, desc="warm start (calculator)", unit="step", dynamic_ncols=True)
-    while step < args.max_steps:
-        loss = train_step(step)
-        step += 1
-        bar.update(1)
-        if step % args.eval_every:
-            continue
-        stats = evaluate()
-        history.append({"step": step, "loss": round(loss, 4), **{k: v for k, v in stats.items() if k != "episodes"}})
-        bar.write(f"step {step:5d}  loss {loss:.4f}  greedy held-out success {stats['success']:.3f}  tool calls "
-                  f"{stats['tool_call_rate']:.2f} (right {stats['success_with_tool']}), direct right "
-                  f"{stats['success_direct']}")
-        bar.set_postfix(loss=f"{loss:.3f}", success=f"{stats['success']:.3f}", tool=f"{stats['tool_call_rate']:.2f}")
-        if accepted(stats):
-            reached = True
-            break
-    bar.close()
-    if not reached:
+    run = common.train(model, optimizer,
+                       lambda step: common.supervised_step(model, optimizer, make_batch(
+                           task, tokenizer, step, args.batch_size, args.seed, args.tool_fraction)),
+                       evaluate, desc="warm start (calculator)", max_steps=args.max_steps,
+                       interval=lambda _: args.eval_every, accept=accepted)
+    step = run.step
+    if not run.reached:
+        last = run.last.stats if len(run.history) > 1 else run.history[0]
         raise SystemExit(f"warm start found no evaluation with greedy success in [{args.target_success}, "
                          f"{args.max_success}], tool-call rate in [{args.min_tool_rate}, {args.max_tool_rate}] and "
-                         f"tool-call success >= {args.min_tool_success} within --max-steps {args.max_steps} (last: {stats}); raise --max-steps or change the mix")
+                         f"tool-call success >= {args.min_tool_success} within --max-steps {args.max_steps} (last: "
+                         f"{last}); raise --max-steps or change the mix")
     train_seconds = time.perf_counter() - t0
 
     model.eval()
-    success = greedy_success(dm)  # the validation path's own number (what val/reward logs)
+    success = common.greedy_success(dm)  # the validation path's own number (what val/reward logs)
     heldout = heldout_tool_use(dm)
-    sampled = {**sampled_success(dm, args.sampled_steps),
-               **{k: v for k, v in sampled_tool_use(dm, args.sampled_steps).items()
+    sampled = {**common.sampled_success(dm, args.sampled_steps),
+               **{k: v for k, v in tool_use(tokenizer, common.training_rollouts(dm, args.sampled_steps)).items()
                   if k in ("tool_call_rate", "success_with_tool", "success_direct")}}
     layout = check_layout(dm, tokenizer)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-
-    # Reload exactly as the package will, and check the saved checkpoint scores the same, twice over.
-    reloaded = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
-    reloaded_tok = AutoTokenizer.from_pretrained(out, local_files_only=True)
-    reloaded_success = greedy_success(make_datamodule(reloaded, reloaded_tok))
-    library_success = validate_with_library(out)
-    if max(abs(reloaded_success - success), abs(library_success - success)) > 1e-6:  # val/reward is float32
-        raise SystemExit(f"reloaded checkpoint scores {reloaded_success:.4f} (Trainer.validate: {library_success:.4f}),"
-                         f" expected {success:.4f}")
+    common.save(model, tokenizer, out)
+    reloaded_success, library_success = PRESET.check_saved(out, success)
 
     record = {
-        "seed": args.seed,
-        "lr": args.lr,
-        "batch_size": args.batch_size,
-        "optimizer": "AdamW",
+        **common.settings_record(args),
         "tool_fraction": args.tool_fraction,
         "episodes": "tool use (c<a>*<b>, then copy the calculator's result) or a direct answer, both right",
         "steps": step,
@@ -356,28 +240,17 @@ def main(argv: list[str] | None = None) -> dict:
         "min_tool_rate": args.min_tool_rate,
         "max_tool_rate": args.max_tool_rate,
         "min_tool_success": args.min_tool_success,
-        "eval_history": history,
+        "eval_history": run.history,
         "layout_check": layout,
-        "wall_time_s": round(time.perf_counter() - t0, 2),
-        "train_time_s": round(train_seconds, 2),
-        "num_parameters": sum(p.numel() for p in model.parameters()),
+        **common.timing_record(t0, train_seconds, model),
         "task": {"class": "CalculatorTask", "num_heldout": len(task.heldout), "max_calls": task.max_calls,
                  "seed": task.seed},
-        "rollout": {"strategy": "GroupRollout", "max_turns": MAX_TURNS, "max_episode_tokens": MAX_EPISODE_TOKENS,
-                    "max_new_tokens": MAX_NEW_TOKENS},
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "tokenizers": tokenizers.__version__,
-        },
-        "command": "python experiments/warm_start_calculator.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "rollout": PRESET.record(),
+        **common.provenance_record(__file__, argv),
     }
-    (out / "warm_start.json").write_text(json.dumps(record, indent=2) + "\n")
-    print(f"saved to {out}: {step} steps, greedy held-out success {success:.3f} (reloaded {reloaded_success:.3f}, "
-          f"Trainer.validate {library_success:.3f}), held-out {heldout}, sampled {sampled}, layout check {layout}, "
-          f"{record['wall_time_s']:.1f}s")
-    return record
+    return common.finish(out, record, f"{step} steps, greedy held-out success {success:.3f} (reloaded "
+                                      f"{reloaded_success:.3f}, Trainer.validate {library_success:.3f}), held-out "
+                                      f"{heldout}, sampled {sampled}, layout check {layout}")
 
 
 if __name__ == "__main__":

@@ -48,46 +48,33 @@ Reproduce (from anywhere)::
 from __future__ import annotations
 
 import argparse
-import copy
-import json
-import platform
 import random
 import sys
 import time
 from functools import lru_cache
 from pathlib import Path
-from types import SimpleNamespace
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-for path in (REPO_ROOT, REPO_ROOT / "experiments"):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
+EXPERIMENTS = str(Path(__file__).resolve().parent)
+if EXPERIMENTS not in sys.path:
+    sys.path.insert(0, EXPERIMENTS)
 
-import tokenizers  # noqa: E402
 import torch  # noqa: E402
-import transformers  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel  # noqa: E402
+import warm_start_common as common  # noqa: E402
 from transformers import PreTrainedTokenizerBase  # noqa: E402
-from warm_start import padded_batch  # noqa: E402
 
-from rl_lightning.envs.guess import GuessNumberEnv, GuessNumberTask  # noqa: E402
-from rl_lightning.models.policy import build_tiny_policy  # noqa: E402
-from rl_lightning.rollout import GroupRollout, RolloutDataModule  # noqa: E402
+from rl_lightning.envs.guess import GuessNumberTask  # noqa: E402
+from rl_lightning.rollout import RolloutDataModule  # noqa: E402
 
-MAX_NEW_TOKENS = 3  # data.init_args.max_new_tokens of configs/tasks/guess.yaml: two digits + <eos>
-MAX_TURNS = 5  # GroupRollout(max_turns=...) of configs/tasks/guess.yaml (= GuessNumberTask.max_guesses)
-MAX_EPISODE_TOKENS = 32  # GroupRollout(max_episode_tokens=...): 5 turns of 3 + 4 observations of 4 ("bad:") fit
-MAX_POSITIONS = 64  # the tiny Llama's max_position_embeddings
+# configs/tasks/guess.yaml: max_new_tokens two digits + <eos>; GroupRollout(max_turns = GuessNumberTask.max_guesses,
+# max_episode_tokens: 5 turns of 3 + 4 observations of 4 ("bad:") fit)
+PRESET = common.EpisodePreset(GuessNumberTask, val_batch_size=64, max_new_tokens=3, max_turns=5, max_episode_tokens=32)
 DEFAULT_OUT = Path("rl_lightning/models/assets/guess")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    p = common.parser(__doc__)
     p.add_argument("--seed", type=int, default=0, help="seeds the model init, the expert and all torch randomness")
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (constant)")
+    common.add_options(p, "--lr")
     p.add_argument("--batch-size", type=int, default=64, help="expert episodes per step")
     p.add_argument("--expert", choices=["pivot", "uniform"], default="pivot",
                    help="pivot: guesses near --pivot of the consistent interval (+-2); uniform: anywhere in it")
@@ -95,17 +82,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-steps", type=int, default=0,
                    help="train at least this many steps before the first evaluation that may stop training")
     p.add_argument("--eval-every", type=int, default=10, help="steps between greedy held-out evaluations")
-    p.add_argument("--target-success", type=float, default=0.30, help="stop at the first eval at or above this")
-    p.add_argument("--max-success", type=float, default=0.50, help="fail if the first eval >= target exceeds this")
-    p.add_argument("--max-steps", type=int, default=3000)
-    p.add_argument("--sampled-steps", type=int, default=8,
-                   help="training batches (16 prompts x 8 episodes, temperature 1) the sampled success is measured on")
+    common.add_window_options(p, "success")
+    common.add_options(p, "--max-steps", "--sampled-steps")
     p.add_argument("--log-sampled", action="store_true",
                    help="also measure sampled success (2 training batches) at every evaluation")
-    p.add_argument("--no-refine", dest="refine", action="store_false",
-                   help="on overshoot, fail at once instead of replaying the last interval step by step")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                   help="output directory (relative paths are taken from the repository root)")
+    common.add_options(p, "--no-refine")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=common.OUT_HELP)
     return p.parse_args(argv)
 
 
@@ -188,254 +170,75 @@ def expert_greedy_success(task: GuessNumberTask, expert: str, pivot: float) -> f
     return found / (task.high - task.low + 1)
 
 
-# ---------------------------------------------------------------------------------------------- token layout
-def episode_ids(tokenizer: PreTrainedTokenizerBase, first: str, actions: list[str], observations: list[str]
-                ) -> tuple[list[int], list[int]]:
-    """The ids the rollout feeds the model for this episode, and labels (-100 except on the model's tokens).
-
-    ``<bos>`` + ``first``; per turn ``action`` + ``<eos>`` (labelled), then ``observation`` (not labelled; an
-    empty one, after the episode's last turn, adds nothing).
-    """
-    def chars(text: str) -> list[int]:
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    ids = [tokenizer.bos_token_id, *chars(first)]
-    labels = [-100] * len(ids)
-    for action, obs in zip(actions, observations):
-        turn = [*chars(action), tokenizer.eos_token_id]
-        ids += turn
-        labels += turn
-        seen = chars(obs)
-        ids += seen
-        labels += [-100] * len(seen)
-    return ids, labels
-
-
+# ---------------------------------------------------------------------------------------------- training rows
 def make_batch(task: GuessNumberTask, tokenizer: PreTrainedTokenizerBase, step: int, batch_size: int, seed: int,
                expert: str, pivot: float) -> dict[str, torch.Tensor]:
-    """Right-padded expert episodes (positions 0..n-1 on the real tokens, as in left-padded generation)."""
-    rows, label_rows = [], []
-    for row in range(batch_size):
-        index = step * batch_size + row
+    """Right-padded expert episodes in the rollout's layout (``common.episode_ids``)."""
+    def episode(index: int) -> tuple[str, list[str], list[str]]:
         secret = int(task.train_prompt(index).metadata["secret"])
-        rng = random.Random((seed * 1_000_003 + index) * 31 + 17)
-        ids, labels = episode_ids(tokenizer, *expert_episode(task, secret, rng, expert, pivot))
-        if len(ids) > MAX_POSITIONS:
-            raise SystemExit(f"an episode of {len(ids)} tokens does not fit in {MAX_POSITIONS} positions")
-        rows.append(ids)
-        label_rows.append(labels)
-    return padded_batch(rows, label_rows, tokenizer.pad_token_id)
+        return expert_episode(task, secret, common.episode_rng(seed, index), expert, pivot)
+
+    return common.episode_batch(tokenizer, (episode(step * batch_size + row) for row in range(batch_size)))
 
 
-# ---------------------------------------------------------------------------------------------- evaluation
-def make_datamodule(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, seed: int = 0) -> RolloutDataModule:
-    """The data module of ``configs/tasks/guess.yaml`` (with the method configs' 16 prompts x 8), attached to
-    ``model`` through a stand-in trainer so its rollouts can be called directly."""
-    return episode_datamodule(GuessNumberTask(), model, tokenizer, seed, val_batch_size=64,
-                              max_new_tokens=MAX_NEW_TOKENS, max_turns=MAX_TURNS, max_episode_tokens=MAX_EPISODE_TOKENS)
-
-
-def episode_datamodule(task: object, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, seed: int, *,
-                       val_batch_size: int, max_new_tokens: int, max_turns: int,
-                       max_episode_tokens: int) -> RolloutDataModule:
-    """A 16 prompts x 8 episode data module for ``task``, attached to ``model`` through a stand-in trainer."""
-    dm = RolloutDataModule(
-        task=task, prompts_per_step=16, group_size=8, max_new_tokens=max_new_tokens,
-        val_batch_size=val_batch_size, seed=seed,
-        strategy=GroupRollout(max_turns=max_turns, max_episode_tokens=max_episode_tokens),
-    )
-    dm.trainer = SimpleNamespace(lightning_module=SimpleNamespace(policy=model, tokenizer=tokenizer),
-                                 global_rank=0, world_size=1)
-    return dm
-
-
-@torch.no_grad()
-def greedy_success(dm: RolloutDataModule) -> float:
-    """Mean held-out reward of the data module's greedy rollouts (what ``val/reward`` logs)."""
-    total, count = dm.evaluate()
-    return total / count
-
-
-@torch.no_grad()
-def sampled_success(dm: RolloutDataModule, steps: int) -> dict:
-    """Temperature-1 rollouts of the first ``steps`` training batches: mean reward, and the fraction of groups
-    whose rewards are all equal (all found or none: zero advantage under GRPO)."""
-    dm.cursor = 0
-    rewards, flat_groups = [], 0
-    for step in range(steps):
-        batch = dm.rollout(dm.prompt_batch(step))
-        r = batch.rewards.view(-1, batch.group_size)
-        rewards.append(r)
-        flat_groups += int((r.max(dim=1).values == r.min(dim=1).values).sum())
-    dm.cursor = 0
-    r = torch.cat(rewards)
-    return {"success": round(float(r.mean()), 4), "episodes": r.numel(), "groups": r.shape[0],
-            "constant_group_fraction": round(flat_groups / r.shape[0], 4),
-            "all_zero_group_fraction": round(float((r.max(dim=1).values == 0).float().mean()), 4)}
-
-
-@torch.no_grad()
-def check_layout(dm: RolloutDataModule, tokenizer: PreTrainedTokenizerBase, steps: int = 2) -> dict:
-    """Rebuild sampled rollouts' ids with ``episode_ids`` and compare with ``RolloutBatch.input_ids``.
-
-    Guesses come from the model tokens (``turn_index``) of each row; observations from replaying the guesses in
-    a fresh environment. Episodes with a turn cut without ``<eos>`` or holding a sampled special token (neither is
-    in the expert's layout) are counted, not compared.
-    """
-    eos = tokenizer.eos_token_id
-    task: GuessNumberTask = dm.task  # type: ignore[assignment]
-    compared, skipped, special = 0, 0, 0
-    dm.cursor = 0
-    for step in range(steps):
-        batch = dm.rollout(dm.prompt_batch(step))
-        P = batch.prompt_length
-        for row in range(batch.num_rows):
-            real = batch.attention_mask[row].bool()
-            ids = batch.input_ids[row][real].tolist()
-            turn_index = batch.turn_index[row].tolist()
-            response = batch.input_ids[row, P:].tolist()
-            turns = [[tok for tok, t in zip(response, turn_index) if t == k] for k in range(int(batch.num_turns[row]))]
-            if any(not t or t[-1] != eos for t in turns):
-                skipped += 1
-                continue
-            actions = [tokenizer.decode(t[:-1], skip_special_tokens=True) for t in turns]
-            if any(tokenizer(a, add_special_tokens=False)["input_ids"] != t[:-1] for a, t in zip(actions, turns)):
-                special += 1  # a sampled special token (e.g. <pad>) inside a turn: its text is not its ids
-                continue
-            env = GuessNumberEnv(int(batch.prompts[row].metadata["secret"]), task.low, task.high, task.max_guesses)
-            first, _ = env.reset()
-            observations, ret = [], 0.0
-            for action in actions:
-                obs, reward, terminated, truncated, _ = env.step(action)
-                observations.append(obs)
-                ret += reward
-            rebuilt, _ = episode_ids(tokenizer, first, actions, observations)
-            if rebuilt != ids:
-                raise SystemExit(
-                    f"token layout differs from the rollout's (step {step}, row {row}):\n  rollout {ids}\n"
-                    f"  rebuilt {rebuilt}\n  rollout text {tokenizer.decode(ids)!r}")
-            if ret != float(batch.rewards[row]):
-                raise SystemExit(f"replayed return {ret} != rollout reward {float(batch.rewards[row])} (row {row})")
-            compared += 1
-    dm.cursor = 0
-    if compared == 0:
+def check_layout(dm: RolloutDataModule, tokenizer: PreTrainedTokenizerBase) -> dict:
+    """``common.check_layout`` on sampled rollouts; episodes holding a sampled special token in a turn (not in
+    the expert's layout) are counted, not compared."""
+    compared, cut, special = common.check_layout(dm, tokenizer, skip_special_tokens=True)
+    if not compared:
         raise SystemExit("layout check compared no episode (every one had a turn cut without <eos>)")
-    return {"episodes_compared": compared, "episodes_with_a_cut_turn": skipped,
+    return {"episodes_compared": len(compared), "episodes_with_a_cut_turn": cut,
             "episodes_with_a_special_token_in_a_turn": special}
-
-
-def validate_with_library(out: Path, dm: RolloutDataModule | None = None) -> float:
-    """``val/reward`` of ``Trainer.validate`` on ``GRPO(model_name_or_path=out)`` with the preset's data module
-    (``dm``; default: the guess preset's)."""
-    import lightning.pytorch as pl
-
-    from rl_lightning.algorithms import GRPO
-
-    module = GRPO(model_name_or_path=str(out))
-    if dm is None:
-        dm = RolloutDataModule(task=GuessNumberTask(), max_new_tokens=MAX_NEW_TOKENS, val_batch_size=64,
-                               strategy=GroupRollout(max_turns=MAX_TURNS, max_episode_tokens=MAX_EPISODE_TOKENS))
-    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False)
-    trainer.validate(module, datamodule=dm, verbose=False)
-    return float(trainer.callback_metrics["val/reward"])
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    out = args.out if args.out.is_absolute() else REPO_ROOT / args.out
-    if not 0 < args.target_success <= args.max_success:
-        raise SystemExit(f"need 0 < --target-success ({args.target_success}) <= --max-success ({args.max_success})")
+    out = common.output_dir(args.out)
+    window = common.check_window(args, "success")
 
     t0 = time.perf_counter()
-    torch.manual_seed(args.seed)
-    torch.use_deterministic_algorithms(True)
-    model, tokenizer = build_tiny_policy(seed=args.seed, max_position_embeddings=MAX_POSITIONS)
-    model.train()
+    model, tokenizer, optimizer = common.tiny_policy(args.seed, args.lr, max_position_embeddings=common.MAX_POSITIONS)
     task = GuessNumberTask()
-    if task.max_guesses != MAX_TURNS:
-        raise SystemExit(f"GuessNumberTask().max_guesses={task.max_guesses} != {MAX_TURNS} turns")
-    dm = make_datamodule(model, tokenizer, seed=args.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    if task.max_guesses != PRESET.max_turns:
+        raise SystemExit(f"GuessNumberTask().max_guesses={task.max_guesses} != {PRESET.max_turns} turns")
+    dm = PRESET.datamodule(model, tokenizer, seed=args.seed)
 
-    def train_step(step: int) -> float:
-        batch = make_batch(task, tokenizer, step, args.batch_size, args.seed, args.expert, args.pivot)
-        loss = model(**batch).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        return loss.item()
-
-    history: list[dict] = []
-    success = greedy_success(dm)
-    history.append({"step": 0, "greedy_success": success})
-    next_eval = args.eval_every
-    snapshot = (0, copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict()))
-    step, loss, reached, refining = 0, float("nan"), False, False
-    bar = tqdm(total=args.max_steps, desc="warm start (guess)", unit="step", dynamic_ncols=True)
-    while step < args.max_steps:
-        loss = train_step(step)
-        step += 1
-        bar.update(1)
-        if step < next_eval:
-            continue
-        success = greedy_success(dm)
-        entry = {"step": step, "loss": round(loss, 4), "greedy_success": round(success, 4)}
+    def evaluate(loss: float | None) -> common.Evaluation:
+        success = common.greedy_success(dm)
+        if loss is None:
+            return common.Evaluation(success, {"greedy_success": success}, "", {})
+        entry = {"loss": round(loss, 4), "greedy_success": round(success, 4)}
+        text = f"greedy held-out success {success:.3f}"
         if args.log_sampled:
             model.eval()
-            entry["sampled_success"] = sampled_success(dm, 2)["success"]
+            entry["sampled_success"] = common.sampled_success(dm, 2)["success"]
             model.train()
-        history.append({**entry, **({"refine": True} if refining else {})})
-        bar.write(f"step {step:5d}  loss {loss:.4f}  greedy held-out success {success:.3f}"
-                  + (f"  sampled {entry['sampled_success']:.3f}" if args.log_sampled else "")
-                  + ("  (refine)" if refining else ""))
-        bar.set_postfix(loss=f"{loss:.3f}", success=f"{success:.3f}")
-        if step >= args.min_steps and success >= args.target_success:
-            if success <= args.max_success:
-                reached = True
-                break
-            if args.refine and not refining and step - snapshot[0] > 1:
-                start, model_state, optim_state = snapshot
-                bar.write(f"overshot ({success:.3f} > {args.max_success}); replaying steps {start + 1}..{step} "
-                          "with an evaluation after each")
-                model.load_state_dict(model_state)
-                optimizer.load_state_dict(optim_state)
-                bar.update(start - step)
-                step, refining, next_eval = start, True, start + 1
-                continue
-            bar.close()
-            raise SystemExit(f"warm start overshot: greedy success {success:.3f} > {args.max_success} at step "
-                             f"{step} (history: {history[-3:]}); rerun with a smaller --eval-every or --lr")
-        next_eval = step + (1 if refining else args.eval_every)
-        if args.refine and not refining:
-            snapshot = (step, copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict()))
-    bar.close()
-    if not reached:
+            text += f"  sampled {entry['sampled_success']:.3f}"
+        return common.Evaluation(success, entry, text, {"success": f"{success:.3f}"})
+
+    run = common.train(model, optimizer,
+                       lambda step: common.supervised_step(model, optimizer, make_batch(
+                           task, tokenizer, step, args.batch_size, args.seed, args.expert, args.pivot)),
+                       evaluate, desc="warm start (guess)", max_steps=args.max_steps,
+                       interval=lambda _: args.eval_every, window=window, min_steps=args.min_steps,
+                       refine=args.refine)
+    step, success = run.step, run.last.score
+    if run.overshot:
+        raise SystemExit(f"warm start overshot: greedy success {success:.3f} > {args.max_success} at step "
+                         f"{step} (history: {run.history[-3:]}); rerun with a smaller --eval-every or --lr")
+    if not run.reached:
         raise SystemExit(f"warm start did not reach --target-success {args.target_success} within --max-steps "
                          f"{args.max_steps} (last greedy success {success:.3f}); raise --max-steps or --lr")
     train_seconds = time.perf_counter() - t0
 
     model.eval()
-    sampled = sampled_success(dm, args.sampled_steps)
+    sampled = common.sampled_success(dm, args.sampled_steps)
     layout = check_layout(dm, tokenizer)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-
-    # Reload exactly as the package will, and check the saved checkpoint scores the same, twice over.
-    reloaded = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
-    reloaded_tok = AutoTokenizer.from_pretrained(out, local_files_only=True)
-    reloaded_success = greedy_success(make_datamodule(reloaded, reloaded_tok))
-    library_success = validate_with_library(out)
-    if max(abs(reloaded_success - success), abs(library_success - success)) > 1e-6:  # val/reward is float32
-        raise SystemExit(f"reloaded checkpoint scores {reloaded_success:.4f} (Trainer.validate: {library_success:.4f}),"
-                         f" expected {success:.4f}")
+    common.save(model, tokenizer, out)
+    reloaded_success, library_success = PRESET.check_saved(out, success)
 
     record = {
-        "seed": args.seed,
-        "lr": args.lr,
-        "batch_size": args.batch_size,
-        "optimizer": "AdamW",
+        **common.settings_record(args),
         "expert": args.expert,
         "pivot": args.pivot if args.expert == "pivot" else None,
         "expert_success": round(expert_success(task, args.expert, args.pivot), 4),
@@ -448,29 +251,18 @@ def main(argv: list[str] | None = None) -> dict:
         "sampled_success": sampled,
         "target_success": args.target_success,
         "max_success": args.max_success,
-        "refined": refining,
-        "eval_history": history,
+        "refined": run.refined,
+        "eval_history": run.history,
         "layout_check": layout,
-        "wall_time_s": round(time.perf_counter() - t0, 2),
-        "train_time_s": round(train_seconds, 2),
-        "num_parameters": sum(p.numel() for p in model.parameters()),
+        **common.timing_record(t0, train_seconds, model),
         "task": {"class": "GuessNumberTask", "low": task.low, "high": task.high, "max_guesses": task.max_guesses,
                  "seed": task.seed},
-        "rollout": {"strategy": "GroupRollout", "max_turns": MAX_TURNS, "max_episode_tokens": MAX_EPISODE_TOKENS,
-                    "max_new_tokens": MAX_NEW_TOKENS},
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "tokenizers": tokenizers.__version__,
-        },
-        "command": "python experiments/warm_start_guess.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "rollout": PRESET.record(),
+        **common.provenance_record(__file__, argv),
     }
-    (out / "warm_start.json").write_text(json.dumps(record, indent=2) + "\n")
-    print(f"saved to {out}: {step} steps, greedy held-out success {success:.3f} (reloaded {reloaded_success:.3f}, "
-          f"Trainer.validate {library_success:.3f}), sampled success {sampled}, layout check {layout}, "
-          f"{record['wall_time_s']:.1f}s")
-    return record
+    return common.finish(out, record, f"{step} steps, greedy held-out success {success:.3f} (reloaded "
+                                      f"{reloaded_success:.3f}, Trainer.validate {library_success:.3f}), sampled "
+                                      f"success {sampled}, layout check {layout}")
 
 
 if __name__ == "__main__":
