@@ -22,17 +22,12 @@ over it.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import resource
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+
+import bench_common as common
 
 SIZES = {  # name: (hidden, layers, heads, ffn)
     "1.1M": (128, 4, 4, 512),
@@ -84,13 +79,6 @@ def build_checkpoint(size: str, out: Path) -> None:
     tok.save_pretrained(out)
 
 
-def synchronize(device: str) -> None:
-    import torch
-
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def step_flops(ckpt: Path, completion_tokens: float, device: str = "cpu") -> tuple[float, float]:
     """``(FLOPs, peak GEMM FLOP/s)``: the least arithmetic any framework must do per step, and this machine's speed.
 
@@ -116,110 +104,58 @@ def step_flops(ckpt: Path, completion_tokens: float, device: str = "cpu") -> tup
     b = torch.randn(hidden, ffn, device=device)
     best = float("inf")
     for _ in range(10):
-        synchronize(device)
+        common.synchronize(device)
         start = time.perf_counter()
         for _ in range(5):
             a @ b
-        synchronize(device)
+        common.synchronize(device)
         best = min(best, (time.perf_counter() - start) / 5)
     return flops, 2 * a.shape[0] * hidden * ffn / best
 
 
-def peak_mb(device: str = "cpu") -> float:
-    """Peak resident memory of this process (CPU) or peak allocated GPU memory (CUDA), in MB."""
-    if device == "cuda":
-        import torch
-
-        return torch.cuda.max_memory_allocated() / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
 # ---------------------------------------------------------------------------------------------- workers
 def run_trl(ckpt: Path, steps: int, warmup: int, device: str = "cpu") -> dict:
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(ckpt)
     model = AutoModelForCausalLM.from_pretrained(ckpt)
-    ends: list[float] = []
-
-    class Timer(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN003
-            synchronize(device)
-            ends.append(time.perf_counter())
 
     def reward(completions, **kwargs):  # noqa: ANN001, ANN003
         return [reward_value(c) for c in completions]
 
-    with tempfile.TemporaryDirectory() as tmp:
-        args = GRPOConfig(
-            output_dir=tmp, use_cpu=device == "cpu", bf16=False, fp16=False, gradient_checkpointing=False,
-            per_device_train_batch_size=PROMPTS_PER_STEP * GROUP, num_generations=GROUP,
-            max_completion_length=MAX_NEW, temperature=1.0, top_p=1.0, top_k=0, beta=0.0, loss_type="grpo",
-            scale_rewards="group", num_iterations=1, learning_rate=LR, weight_decay=0.0, max_grad_norm=1.0,
-            lr_scheduler_type="constant", warmup_steps=0, max_steps=warmup + steps, report_to="none",
-            logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0, dataloader_num_workers=0,
-        )
-        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, processing_class=tok,
-                              train_dataset=Dataset.from_list([{"prompt": p} for p in prompt_texts()]),
-                              callbacks=[Timer()])
-        start = time.perf_counter()
-        trainer.train()
-    marks = [start, *ends]
-    times = [b - a for a, b in zip(marks, marks[1:])][warmup:]
+    times, log = common.train_trl(model, tok, reward, [{"prompt": p} for p in prompt_texts()],
+                                  prompts=PROMPTS_PER_STEP, group=GROUP, max_new=MAX_NEW, lr=LR, warmup=warmup,
+                                  steps=steps, device=device)
     # generated tokens per step, from TRL's own log (mean completion length x completions per step)
-    lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
+    lengths = [h["completions/mean_length"] for h in log if "completions/mean_length" in h]
     tokens = [m * PROMPTS_PER_STEP * GROUP for m in lengths][warmup:]
-    return {"step_times": times, "tokens": tokens, "peak_rss_mb": peak_mb(device)}
+    return {"step_times": times, "tokens": tokens, "peak_rss_mb": common.peak_mb(device)}
 
 
 def run_ours(ckpt: Path, steps: int, warmup: int, device: str = "cpu") -> dict:
     import torch
-    from lightning.pytorch import Callback, Trainer
 
     from rl_lightning.algorithms import GRPO
-    from rl_lightning.envs import Prompt, RewardFunction, Task
     from rl_lightning.rollout import RolloutDataModule
 
     texts = prompt_texts()
-
-    class Prompts(Task):
-        def train_prompt(self, index: int) -> Prompt:
-            return Prompt(texts[index % len(texts)])
-
-        def heldout_prompts(self) -> list[Prompt]:
-            return []
-
-    class DigitReward(RewardFunction):
-        def __call__(self, prompt: Prompt, response: str) -> float:
-            return reward_value(response)
-
-    ends: list[float] = []
     split: list[dict[str, float]] = []
 
-    class Timer(Callback):
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # noqa: ANN001
-            synchronize(device)
-            ends.append(time.perf_counter())
-            metrics = trainer.callback_metrics
-            split.append({k: float(metrics[f"perf/{k}"]) for k in ("rollout_time", "reward_time", "update_time")}
-                         | {"tokens": float(batch.loss_mask.sum())})
+    def on_batch(trainer, pl_module, batch):  # noqa: ANN001
+        metrics = trainer.callback_metrics
+        split.append({k: float(metrics[f"perf/{k}"]) for k in ("rollout_time", "reward_time", "update_time")}
+                     | {"tokens": float(batch.loss_mask.sum())})
 
     module = GRPO(model_name_or_path=str(ckpt), loss_aggregation="seq_mean_token_mean", max_grad_norm=1.0,
                   optimizer=lambda p: torch.optim.AdamW(p, lr=LR, weight_decay=0.0))
-    datamodule = RolloutDataModule(task=Prompts(), prompts_per_step=PROMPTS_PER_STEP, group_size=GROUP,
-                                   max_new_tokens=MAX_NEW, temperature=1.0, top_p=1.0, reward_fn=DigitReward(),
+    datamodule = RolloutDataModule(task=common.listed_task([(t, None) for t in texts]),
+                                   prompts_per_step=PROMPTS_PER_STEP, group_size=GROUP, max_new_tokens=MAX_NEW,
+                                   temperature=1.0, top_p=1.0,
+                                   reward_fn=common.function_reward(lambda prompt, response: reward_value(response)),
                                    add_bos=False)
-    trainer = Trainer(accelerator="gpu" if device == "cuda" else "cpu", devices=1, max_steps=warmup + steps, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      num_sanity_val_steps=0, limit_val_batches=0, callbacks=[Timer()])
-    start = time.perf_counter()
-    trainer.fit(module, datamodule=datamodule)
-    marks = [start, *ends]
-    times = [b - a for a, b in zip(marks, marks[1:])][warmup:]
+    times = common.fit_ours(module, datamodule, warmup=warmup, steps=steps, on_batch=on_batch, device=device)
     result = {"step_times": times, "tokens": [s["tokens"] for s in split[warmup:]], "split": split[warmup:],
-              "peak_rss_mb": peak_mb(device)}
+              "peak_rss_mb": common.peak_mb(device)}
 
     # The raw work: the same engine sampling the same number of prompts/tokens, plus one forward/backward.
     from rl_lightning.rollout.generation import sample
@@ -233,13 +169,13 @@ def run_ours(ckpt: Path, steps: int, warmup: int, device: str = "cpu") -> dict:
     ids, mask, policy = ids.to(device), mask.to(device), policy.to(device)
     raw = []
     for _ in range(3):
-        synchronize(device)
+        common.synchronize(device)
         t0 = time.perf_counter()
         policy.eval()
         gen = sample(policy, ids, mask, MAX_NEW, tok.eos_token_id, tok.pad_token_id,
                      generator=torch.Generator(device=device).manual_seed(0))
         policy.train()
-        synchronize(device)
+        common.synchronize(device)
         t1 = time.perf_counter()
         full = torch.cat([ids, gen.response_ids], 1)
         attn = torch.cat([mask, gen.mask], 1)
@@ -247,33 +183,13 @@ def run_ours(ckpt: Path, steps: int, warmup: int, device: str = "cpu") -> dict:
         logp = torch.log_softmax(logits.float(), -1).gather(-1, gen.response_ids.unsqueeze(-1)).squeeze(-1)
         (-(logp * gen.mask).sum() / gen.mask.sum()).backward()
         policy.zero_grad(set_to_none=True)
-        synchronize(device)
+        common.synchronize(device)
         raw.append({"sample": t1 - t0, "fwd_bwd": time.perf_counter() - t1, "tokens": float(gen.mask.sum())})
     result["raw"] = raw
     return result
 
 
 # ---------------------------------------------------------------------------------------------- report
-def run_worker(script: str, argv: list[str], what: str) -> dict:
-    """Run ``script --worker ...`` (``argv``) in a subprocess of its own and return the dict of its ``RESULT`` line;
-    exit naming ``what`` if it failed."""
-    proc = subprocess.run([sys.executable, script, *argv], capture_output=True, text=True,
-                          env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        sys.exit(f"{what} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
-
-
-def worker_report(run: Callable[[], dict]) -> None:
-    """In a worker subprocess: offline, quiet, run, print the one ``RESULT`` line ``run_worker`` reads."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    print("RESULT " + json.dumps(run()), flush=True)
-
-
 def summarise(runs: list[dict]) -> dict:
     times = [t for r in runs for t in r["step_times"]]
     toks = [t for r in runs for t in r["tokens"]]
@@ -283,31 +199,22 @@ def summarise(runs: list[dict]) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
-    parser.add_argument("--steps", type=int, default=6, help="timed steps per run (after warm-up)")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=2, help="alternating TRL/ours runs per size")
-    parser.add_argument("--worker", choices=["trl", "ours"], help=argparse.SUPPRESS)
-    parser.add_argument("--ckpt", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--json", type=Path, help="also write the raw results here")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                        help="cuda: both frameworks on the GPU (fp32, as on CPU); memory is then peak allocated")
-    args = parser.parse_args()
+    p = common.parser(__doc__, "sizes", SIZES, 6, "timed steps per run (after warm-up)")
+    common.add_run_options(p, "alternating TRL/ours runs per size")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cuda: both frameworks on the GPU (fp32, as on CPU); memory is then peak allocated")
+    args = p.parse_args()
 
     if args.worker:  # a subprocess: train, print one JSON line
         run = run_trl if args.worker == "trl" else run_ours
-        worker_report(lambda: run(args.ckpt, args.steps, args.warmup, args.device))
+        common.worker_report(lambda: run(args.ckpt, args.steps, args.warmup, args.device))
         return
-
-    import platform
 
     import torch
 
     if args.device == "cuda":
         print(f"device: {torch.cuda.get_device_name()} (both frameworks; fp32, as on CPU)")
-    print(f"machine: {platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__} "
-          f"({torch.get_num_threads()} threads), python {platform.python_version()}")
+    print(common.machine_line())
     print(f"settings: {PROMPTS_PER_STEP} prompts x G={GROUP}, max {MAX_NEW} new tokens, vocab {VOCAB}, fp32, "
           f"{args.warmup} warm-up + {args.steps} timed steps per run, {args.repeats} alternating runs per framework")
     table, everything = [], {}
@@ -315,15 +222,10 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             ckpt = Path(tmp) / "ckpt"
             build_checkpoint(size, ckpt)
-            runs: dict[str, list[dict]] = {"trl": [], "ours": []}
             _, peak_before = step_flops(ckpt, PROMPTS_PER_STEP * GROUP * MAX_NEW, args.device)
-            for _ in range(args.repeats):
-                for worker in ("trl", "ours"):
-                    runs[worker].append(run_worker(__file__, [
-                        "--worker", worker, "--ckpt", str(ckpt), "--steps", str(args.steps), "--warmup",
-                        str(args.warmup), "--device", args.device], f"{worker} run for {size}"))
-                    print(f"  {size} {worker}: median {statistics.median(runs[worker][-1]['step_times']):.3f} s/step",
-                          flush=True)
+            runs = common.alternate(__file__, ("trl", "ours"), args.repeats, [
+                "--ckpt", str(ckpt), "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device,
+            ], size)
             tokens = statistics.median(t for r in runs["ours"] for t in r["tokens"])
             flops, peak = step_flops(ckpt, tokens, args.device)
             peak = max(peak, peak_before)
@@ -344,30 +246,29 @@ def main() -> None:
         everything[size] = runs
 
     memory = "peak GPU mem" if args.device == "cuda" else "peak RSS"
-    print(f"\n| model | TRL s/step | ours s/step | ratio ours/TRL | TRL tok/s | ours tok/s | TRL {memory} | ours {memory} |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for r in table:
-        t, o = r["trl"], r["ours"]
-        print(f"| {r['size']} | {t['s_per_step']:.3f} | {o['s_per_step']:.3f} | {r['ratio']:.2f} | "
-              f"{t['tok_per_s']:.0f} | {o['tok_per_s']:.0f} | {t['peak_rss_mb']:.0f} MB | {o['peak_rss_mb']:.0f} MB |")
+    print()
+    common.print_table(
+        ["model", "TRL s/step", "ours s/step", "ratio ours/TRL", "TRL tok/s", "ours tok/s", f"TRL {memory}",
+         f"ours {memory}"],
+        ([r["size"], f"{r['trl']['s_per_step']:.3f}", f"{r['ours']['s_per_step']:.3f}", f"{r['ratio']:.2f}",
+          f"{r['trl']['tok_per_s']:.0f}", f"{r['ours']['tok_per_s']:.0f}", f"{r['trl']['peak_rss_mb']:.0f} MB",
+          f"{r['ours']['peak_rss_mb']:.0f} MB"] for r in table))
     print("\nOur step, split (medians), and the raw work (same engine sampling + one forward/backward):")
-    print("| model | rollout | reward | update | raw sample | raw fwd+bwd | overhead over raw |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for r in table:
-        s, w = r["split"], r["raw"]
-        print(f"| {r['size']} | {s['rollout_time']:.3f} s | {s['reward_time']:.3f} s | {s['update_time']:.3f} s | "
-              f"{w['sample']:.3f} s | {w['fwd_bwd']:.3f} s | {100 * r['overhead']:+.0f}% |")
+    common.print_table(
+        ["model", "rollout", "reward", "update", "raw sample", "raw fwd+bwd", "overhead over raw"],
+        ([r["size"], *(f"{r['split'][k]:.3f} s" for k in ("rollout_time", "reward_time", "update_time")),
+          f"{r['raw']['sample']:.3f} s", f"{r['raw']['fwd_bwd']:.3f} s", f"{100 * r['overhead']:+.0f}%"]
+         for r in table))
     print("\nArithmetic floor: the least FLOPs a step needs (sampling forward + training forward/backward), the")
     print("speed each framework reached, and the time the step would take at this machine's best matrix-product speed:")
-    print("| model | GFLOP/step | peak GEMM GFLOP/s | TRL GFLOP/s | ours GFLOP/s | floor s/step | best possible ratio vs TRL |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for r in table:
-        floor = r["flops"] / r["peak"]
-        print(f"| {r['size']} | {r['flops'] / 1e9:.1f} | {r['peak'] / 1e9:.0f} | "
-              f"{r['flops'] / r['trl']['s_per_step'] / 1e9:.0f} | {r['flops'] / r['ours']['s_per_step'] / 1e9:.0f} | "
-              f"{floor:.3f} | {floor / r['trl']['s_per_step']:.2f} |")
-    if args.json:
-        args.json.write_text(json.dumps({"table": table, "runs": everything}, indent=1))
+    common.print_table(
+        ["model", "GFLOP/step", "peak GEMM GFLOP/s", "TRL GFLOP/s", "ours GFLOP/s", "floor s/step",
+         "best possible ratio vs TRL"],
+        ([r["size"], f"{r['flops'] / 1e9:.1f}", f"{r['peak'] / 1e9:.0f}",
+          f"{r['flops'] / r['trl']['s_per_step'] / 1e9:.0f}", f"{r['flops'] / r['ours']['s_per_step'] / 1e9:.0f}",
+          f"{r['flops'] / r['peak']:.3f}",
+          f"{r['flops'] / r['peak'] / r['trl']['s_per_step']:.2f}"] for r in table))
+    common.write_json(args.json, table, everything)
 
 
 if __name__ == "__main__":

@@ -49,7 +49,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_vs_trl import build_checkpoint, peak_mb, prompt_texts, reward_value, run_worker, worker_report  # noqa: E402
+import bench_common as common  # noqa: E402
+from bench_vs_trl import build_checkpoint, prompt_texts, reward_value  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GROUP = 8
@@ -143,9 +144,7 @@ class Work:
 
 # ---------------------------------------------------------------------------------------------- workers
 def run_trl(workload: str, ckpt: Path, steps: int, warmup: int) -> dict:
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     spec = WORKLOADS[workload]
     tok = AutoTokenizer.from_pretrained(ckpt)
@@ -153,11 +152,6 @@ def run_trl(workload: str, ckpt: Path, steps: int, warmup: int) -> dict:
     model = AutoModelForCausalLM.from_pretrained(ckpt)
     work = Work()
     work.attach(model)
-    ends: list[float] = []
-
-    class Timer(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN003
-            ends.append(time.perf_counter())
 
     def trl_reward(completions, answer, **kwargs):  # noqa: ANN001, ANN003
         return [reward(spec["reward"], c, a) for c, a in zip(completions, answer)]
@@ -165,27 +159,14 @@ def run_trl(workload: str, ckpt: Path, steps: int, warmup: int) -> dict:
     bos = tok.bos_token if spec["bos"] else ""
     rows = [{"prompt": bos + text, "answer": answer}
             for text, answer in prompts(workload, ckpt, spec["prompts"] * (warmup + steps + 2))]
-    with tempfile.TemporaryDirectory() as tmp:
-        args = GRPOConfig(
-            output_dir=tmp, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
-            per_device_train_batch_size=spec["prompts"] * GROUP, num_generations=GROUP,
-            max_completion_length=spec["max_new"], temperature=1.0, top_p=1.0, top_k=0, beta=0.0,
-            loss_type="grpo", scale_rewards="group", epsilon=0.2, num_iterations=1, learning_rate=spec["lr"],
-            weight_decay=0.0, max_grad_norm=1.0, lr_scheduler_type="constant", warmup_steps=0,
-            max_steps=warmup + steps, report_to="none", logging_steps=1, save_strategy="no", disable_tqdm=True,
-            seed=0, dataloader_num_workers=0, shuffle_dataset=False,
-        )
-        trainer = GRPOTrainer(model=model, reward_funcs=trl_reward, args=args, processing_class=tok,
-                              train_dataset=Dataset.from_list(rows), callbacks=[Timer()])
-        start = time.perf_counter()
-        trainer.train()
-    marks = [start, *ends]
-    times = [b - a for a, b in zip(marks, marks[1:])][warmup:]
-    logs = [h for h in trainer.state.log_history if "completions/mean_length" in h]
+    times, log = common.train_trl(model, tok, trl_reward, rows, prompts=spec["prompts"], group=GROUP,
+                                  max_new=spec["max_new"], lr=spec["lr"], warmup=warmup, steps=steps, epsilon=0.2,
+                                  shuffle_dataset=False)
+    logs = [h for h in log if "completions/mean_length" in h]
     n = len(logs)
     per_step = spec["prompts"] * GROUP
     return {
-        "step_times": times, "peak_rss_mb": peak_mb(), "steps": n,
+        "step_times": times, "peak_rss_mb": common.peak_mb(), "steps": n,
         "completion_tokens": statistics.mean(h["completions/mean_length"] for h in logs) * per_step,
         "zero_std_rows": statistics.mean(h["frac_reward_zero_std"] for h in logs) * per_step,
         "skipped_rows": 0.0, "reward": statistics.mean(h["reward"] for h in logs),
@@ -196,42 +177,21 @@ def run_trl(workload: str, ckpt: Path, steps: int, warmup: int) -> dict:
 
 def run_ours(workload: str, ckpt: Path, steps: int, warmup: int) -> dict:
     import torch
-    from lightning.pytorch import Callback, Trainer
 
     from rl_lightning.algorithms import GRPO
-    from rl_lightning.envs import Prompt, RewardFunction, Task
     from rl_lightning.rollout import RolloutDataModule
 
     spec = WORKLOADS[workload]
     cfg = config()
     pairs = prompts(workload, ckpt, spec["prompts"] * (warmup + steps + 2))
-
-    class Prompts(Task):
-        def train_prompt(self, index: int) -> Prompt:
-            text, answer = pairs[index % len(pairs)]
-            return Prompt(text, answer=answer)
-
-        def heldout_prompts(self) -> list[Prompt]:
-            return []
-
-    class Reward(RewardFunction):
-        def __call__(self, prompt: Prompt, response: str) -> float:
-            return reward(spec["reward"], response, prompt.answer)
-
     work = Work()
-    ends: list[float] = []
     logged: list[dict[str, float]] = []
 
-    class Timer(Callback):
-        def on_train_start(self, trainer, pl_module):  # noqa: ANN001
-            work.attach(pl_module.policy)
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # noqa: ANN001
-            ends.append(time.perf_counter())
-            m = trainer.callback_metrics
-            logged.append({"tokens": float(batch.loss_mask.sum()), "skipped": float(m["train/skipped_rows"]),
-                           "zero_std": float(m["train/zero_std_fraction"]), "reward": float(m["train/reward"]),
-                           "prompt_tokens": float(batch.attention_mask[:, :batch.prompt_length].sum(1).float().mean())})
+    def on_batch(trainer, pl_module, batch):  # noqa: ANN001
+        m = trainer.callback_metrics
+        logged.append({"tokens": float(batch.loss_mask.sum()), "skipped": float(m["train/skipped_rows"]),
+                       "zero_std": float(m["train/zero_std_fraction"]), "reward": float(m["train/reward"]),
+                       "prompt_tokens": float(batch.attention_mask[:, :batch.prompt_length].sum(1).float().mean())})
 
     model_args = {k: v for k, v in cfg["model"]["init_args"].items() if k != "optimizer"}  # configs/grpo.yaml
     model_args["model_name_or_path"] = "embedded:arithmetic" if spec["model"] == "embedded" else str(ckpt)
@@ -239,17 +199,15 @@ def run_ours(workload: str, ckpt: Path, steps: int, warmup: int) -> dict:
     data = {k: v for k, v in cfg["data"]["init_args"].items() if k not in ("task", "val_batch_size")}
     data.update(prompts_per_step=spec["prompts"], group_size=GROUP, max_new_tokens=spec["max_new"],
                 temperature=1.0, top_p=1.0, add_bos=spec["bos"])
-    datamodule = RolloutDataModule(task=Prompts(), reward_fn=Reward(), **data)
-    trainer = Trainer(accelerator="cpu", devices=1, max_steps=warmup + steps, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      num_sanity_val_steps=0, limit_val_batches=0, callbacks=[Timer()])
-    start = time.perf_counter()
-    trainer.fit(module, datamodule=datamodule)
-    marks = [start, *ends]
-    times = [b - a for a, b in zip(marks, marks[1:])][warmup:]
+    datamodule = RolloutDataModule(
+        task=common.listed_task(pairs),
+        reward_fn=common.function_reward(lambda prompt, response: reward(spec["reward"], response, prompt.answer)),
+        **data)
+    times = common.fit_ours(module, datamodule, warmup=warmup, steps=steps, on_batch=on_batch,
+                            on_start=lambda pl_module: work.attach(pl_module.policy))
     n, per_step = len(logged), spec["prompts"] * GROUP
     return {
-        "step_times": times, "peak_rss_mb": peak_mb(), "steps": n,
+        "step_times": times, "peak_rss_mb": common.peak_mb(), "steps": n,
         "completion_tokens": statistics.mean(s["tokens"] for s in logged),
         "zero_std_rows": statistics.mean(s["zero_std"] for s in logged) * per_step,
         "skipped_rows": statistics.mean(s["skipped"] for s in logged) * per_step,
@@ -261,32 +219,20 @@ def run_ours(workload: str, ckpt: Path, steps: int, warmup: int) -> dict:
 
 # ---------------------------------------------------------------------------------------------- report
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per run (after warm-up), embedded")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--long-steps", type=int, default=2, help="timed steps per run of the long workloads")
-    parser.add_argument("--long-warmup", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=2, help="alternating ours/TRL runs per workload")
-    parser.add_argument("--json", type=Path, help="also write the raw results here")
-    parser.add_argument("--worker", choices=["trl", "ours"], help=argparse.SUPPRESS)
-    parser.add_argument("--workload", choices=list(WORKLOADS), help=argparse.SUPPRESS)
-    parser.add_argument("--ckpt", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    p = common.parser(__doc__, "workloads", WORKLOADS, 5, "timed steps per run (after warm-up), embedded")
+    p.add_argument("--long-steps", type=int, default=2, help="timed steps per run of the long workloads")
+    p.add_argument("--long-warmup", type=int, default=1)
+    common.add_run_options(p, "alternating ours/TRL runs per workload")
+    p.add_argument("--workload", choices=list(WORKLOADS), help=argparse.SUPPRESS)
+    args = p.parse_args()
 
     if args.worker:  # a subprocess: train, print one JSON line
         run = run_trl if args.worker == "trl" else run_ours
-        worker_report(lambda: run(args.workload, args.ckpt, args.steps, args.warmup))
+        common.worker_report(lambda: run(args.workload, args.ckpt, args.steps, args.warmup))
         return
 
-    import platform
-
-    import torch
-
     load = os.getloadavg()
-    print(f"machine: {platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__} "
-          f"({torch.get_num_threads()} threads), python {platform.python_version()}, "
-          f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    print(common.machine_line(f", load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"))
     code = subprocess.run(["git", "log", "-1", "--oneline"], cwd=REPO_ROOT, capture_output=True, text=True).stdout
     dirty = subprocess.run(["git", "status", "--short", "--", "rl_lightning"], cwd=REPO_ROOT, capture_output=True,
                            text=True).stdout.split()[1::2]
@@ -300,16 +246,11 @@ def main() -> None:
             ckpt = checkpoint(workload, Path(tmp))
             long = WORKLOADS[workload]["model"] == "long"
             steps, warmup = (args.long_steps, args.long_warmup) if long else (args.steps, args.warmup)
-            runs: dict[str, list[dict]] = {"ours": [], "trl": []}
-            for _ in range(args.repeats):
-                for worker in ("ours", "trl"):
-                    runs[worker].append(run_worker(__file__, [
-                        "--worker", worker, "--workload", workload, "--ckpt", str(ckpt), "--steps", str(steps),
-                        "--warmup", str(warmup)], f"{worker} run for {workload}"))
-                    r = runs[worker][-1]
-                    print(f"  {workload} {worker}: median {statistics.median(r['step_times']):.3f} s/step "
-                          f"({' '.join(f'{t:.3f}' for t in r['step_times'])}), peak RSS {r['peak_rss_mb']:.0f} MB, "
-                          f"load {os.getloadavg()[0]:.2f}", flush=True)
+            runs = common.alternate(
+                __file__, ("ours", "trl"), args.repeats,
+                ["--workload", workload, "--ckpt", str(ckpt), "--steps", str(steps), "--warmup", str(warmup)], workload,
+                lambda r: f" ({' '.join(f'{t:.3f}' for t in r['step_times'])}), peak RSS {r['peak_rss_mb']:.0f} MB, "
+                          f"load {os.getloadavg()[0]:.2f}")
             row = {"workload": workload}
             for worker, rs in runs.items():
                 row[worker] = {"s_per_step": statistics.median(t for r in rs for t in r["step_times"]),
@@ -323,26 +264,24 @@ def main() -> None:
 
     print(f"\n(total {time.perf_counter() - started:.0f} s; load average at the end "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())})")
-    print("\n| workload | TRL s/step | ours s/step | ratio ours/TRL | TRL peak RSS | ours peak RSS |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for r in rows:
-        t, o = r["trl"], r["ours"]
-        print(f"| {r['workload']} | {t['s_per_step']:.3f} | {o['s_per_step']:.3f} | {r['ratio']:.2f} | "
-              f"{t['peak_rss_mb']:.0f} MB | {o['peak_rss_mb']:.0f} MB |")
-    print("\nWork per step (means over all steps): rows = prompts x G; prompt = mean prompt tokens; sampled = completion")
+    print()
+    common.print_table(["workload", "TRL s/step", "ours s/step", "ratio ours/TRL", "TRL peak RSS", "ours peak RSS"],
+                       ([r["workload"], f"{r['trl']['s_per_step']:.3f}", f"{r['ours']['s_per_step']:.3f}",
+                         f"{r['ratio']:.2f}", f"{r['trl']['peak_rss_mb']:.0f} MB", f"{r['ours']['peak_rss_mb']:.0f} MB"]
+                        for r in rows))
+    print("\nWork per step (means over all steps): rows = prompts x G; prompt = mean prompt tokens; sampled = "
+          "completion")
     print("tokens; zero-var = rows in zero-variance groups; skipped = rows the update did not forward; update fwd =")
-    print("positions forwarded with gradient; prefill = positions forwarded without gradient in forwards of > 1 column:")
-    print("| workload | framework | rows | prompt | sampled | mean reward | zero-var rows | skipped rows | update fwd | prefill |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for r in rows:
-        n = WORKLOADS[r["workload"]]["prompts"] * GROUP
-        for name, key in (("TRL", "trl"), ("ours", "ours")):
-            w = r[key]
-            print(f"| {r['workload']} | {name} | {n} | {w['prompt_tokens']:.1f} | {w['completion_tokens']:.0f} | "
-                  f"{w['reward']:.3f} | {w['zero_std_rows']:.1f} | {w['skipped_rows']:.1f} | "
-                  f"{w['grad_positions']:.0f} | {w['nograd_positions']:.0f} |")
-    if args.json:
-        args.json.write_text(json.dumps({"table": rows, "runs": everything}, indent=1))
+    print("positions forwarded with gradient; prefill = positions forwarded without gradient in forwards of > 1 "
+          "column:")
+    common.print_table(
+        ["workload", "framework", "rows", "prompt", "sampled", "mean reward", "zero-var rows", "skipped rows",
+         "update fwd", "prefill"],
+        ([r["workload"], name, str(WORKLOADS[r["workload"]]["prompts"] * GROUP), f"{w['prompt_tokens']:.1f}",
+          f"{w['completion_tokens']:.0f}", f"{w['reward']:.3f}", f"{w['zero_std_rows']:.1f}",
+          f"{w['skipped_rows']:.1f}", f"{w['grad_positions']:.0f}", f"{w['nograd_positions']:.0f}"]
+         for r in rows for name, w in (("TRL", r["trl"]), ("ours", r["ours"]))))
+    common.write_json(args.json, rows, everything)
 
 
 if __name__ == "__main__":

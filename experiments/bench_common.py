@@ -1,0 +1,210 @@
+"""What the TRL side-by-side benchmarks (``bench_vs_trl.py``, ``bench_vs_trl_realistic.py``) share.
+
+Each benchmark keeps its workloads, its workers' measurements and its tables' columns. Here are the rest: the
+command line (the workload choice, timed and warm-up steps, repeats, ``--json`` and the hidden worker options),
+the worker subprocesses and their alternation, the timed training run of each framework with the settings both
+benchmarks give it, the machine line and the Markdown tables.
+
+The heavy imports (torch, trl, lightning, rl_lightning) happen inside the functions, in the worker subprocesses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+
+# ---------------------------------------------------------------------------------------------- command line
+def parser(doc: str, name: str, choices: Iterable[str], steps: int, steps_help: str) -> argparse.ArgumentParser:
+    """A benchmark's parser: its docstring as the description, ``--<name>`` (which of ``choices`` to run, all by
+    default), ``--steps`` (default ``steps``) and ``--warmup``."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(f"--{name}", nargs="+", default=list(choices), choices=list(choices))
+    p.add_argument("--steps", type=int, default=steps, help=steps_help)
+    p.add_argument("--warmup", type=int, default=2)
+    return p
+
+
+def add_run_options(p: argparse.ArgumentParser, repeats_help: str) -> None:
+    """``--repeats``, ``--json``, and the options a worker subprocess is called with (hidden)."""
+    p.add_argument("--repeats", type=int, default=2, help=repeats_help)
+    p.add_argument("--json", type=Path, help="also write the raw results here")
+    p.add_argument("--worker", choices=["trl", "ours"], help=argparse.SUPPRESS)
+    p.add_argument("--ckpt", type=Path, help=argparse.SUPPRESS)
+
+
+# ---------------------------------------------------------------------------------------------- workers
+def synchronize(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def peak_mb(device: str = "cpu") -> float:
+    """Peak resident memory of this process (CPU) or peak allocated GPU memory (CUDA), in MB."""
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def run_worker(script: str, argv: list[str], what: str) -> dict:
+    """Run ``script --worker ...`` (``argv``) in a subprocess of its own and return the dict of its ``RESULT`` line;
+    exit naming ``what`` if it failed."""
+    proc = subprocess.run([sys.executable, script, *argv], capture_output=True, text=True,
+                          env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        sys.exit(f"{what} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def worker_report(run: Callable[[], dict]) -> None:
+    """In a worker subprocess: offline, quiet, run, print the one ``RESULT`` line ``run_worker`` reads."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    print("RESULT " + json.dumps(run()), flush=True)
+
+
+def alternate(script: str, workers: tuple[str, ...], repeats: int, argv: list[str], label: str,
+              detail: Callable[[dict], str] = lambda run: "") -> dict[str, list[dict]]:
+    """``repeats`` rounds of one ``script --worker <w> argv`` run per worker, in the order of ``workers``, so machine
+    noise hits each alike; prints each run's median step time (and ``detail(run)``) as it ends."""
+    runs: dict[str, list[dict]] = {worker: [] for worker in workers}
+    for _ in range(repeats):
+        for worker in workers:
+            run = run_worker(script, ["--worker", worker, *argv], f"{worker} run for {label}")
+            runs[worker].append(run)
+            print(f"  {label} {worker}: median {statistics.median(run['step_times']):.3f} s/step{detail(run)}",
+                  flush=True)
+    return runs
+
+
+def step_times(start: float, ends: list[float], warmup: int) -> list[float]:
+    """The duration of every step after the first ``warmup`` (step ``i`` ends at ``ends[i]``; training started at
+    ``start``)."""
+    marks = [start, *ends]
+    return [b - a for a, b in zip(marks, marks[1:])][warmup:]
+
+
+def train_trl(model: Any, tok: Any, reward: Callable[..., list[float]], rows: list[dict], *, prompts: int,
+              group: int, max_new: int, lr: float, warmup: int, steps: int, device: str = "cpu",
+              **config: Any) -> tuple[list[float], list[dict]]:
+    """TRL's ``GRPOTrainer`` on ``rows`` for ``warmup + steps`` steps with the settings both benchmarks use
+    (``prompts`` x ``group`` completions of at most ``max_new`` tokens, temperature 1, top-p 1, beta 0, the "grpo"
+    loss, group std scaling, one update per batch, AdamW at ``lr`` without weight decay, grad-norm clip 1, fp32;
+    ``config`` adds to them). Returns ``(the times of the steps after the warm-up, TRL's log history)``."""
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    ends: list[float] = []
+
+    class Timer(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN003
+            synchronize(device)
+            ends.append(time.perf_counter())
+
+    with tempfile.TemporaryDirectory() as tmp:
+        args = GRPOConfig(
+            output_dir=tmp, use_cpu=device == "cpu", bf16=False, fp16=False, gradient_checkpointing=False,
+            per_device_train_batch_size=prompts * group, num_generations=group, max_completion_length=max_new,
+            temperature=1.0, top_p=1.0, top_k=0, beta=0.0, loss_type="grpo", scale_rewards="group",
+            num_iterations=1, learning_rate=lr, weight_decay=0.0, max_grad_norm=1.0, lr_scheduler_type="constant",
+            warmup_steps=0, max_steps=warmup + steps, report_to="none", logging_steps=1, save_strategy="no",
+            disable_tqdm=True, seed=0, dataloader_num_workers=0, **config,
+        )
+        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, processing_class=tok,
+                              train_dataset=Dataset.from_list(rows), callbacks=[Timer()])
+        start = time.perf_counter()
+        trainer.train()
+    return step_times(start, ends, warmup), trainer.state.log_history
+
+
+def listed_task(pairs: list[tuple[str, str | None]]) -> Any:
+    """A task whose training prompt ``i`` is ``pairs[i % len(pairs)]`` (text, answer); no held-out prompts."""
+    from rl_lightning.envs import Prompt, Task
+
+    class Prompts(Task):
+        def train_prompt(self, index: int) -> Prompt:
+            text, answer = pairs[index % len(pairs)]
+            return Prompt(text, answer=answer)
+
+        def heldout_prompts(self) -> list[Prompt]:
+            return []
+
+    return Prompts()
+
+
+def function_reward(fn: Callable[[Any, str], float]) -> Any:
+    """The reward function ``fn(prompt, response)``."""
+    from rl_lightning.envs import RewardFunction
+
+    class Reward(RewardFunction):
+        def __call__(self, prompt: Any, response: str) -> float:
+            return fn(prompt, response)
+
+    return Reward()
+
+
+def fit_ours(module: Any, datamodule: Any, *, warmup: int, steps: int, on_batch: Callable[[Any, Any, Any], None],
+             on_start: Callable[[Any], None] = lambda pl_module: None, device: str = "cpu") -> list[float]:
+    """Our ``Trainer.fit`` for ``warmup + steps`` steps, no validation, logging or checkpoints; ``on_start(pl_module)``
+    as training starts and ``on_batch(trainer, pl_module, batch)`` after each step. Returns the times of the steps
+    after the warm-up."""
+    from lightning.pytorch import Callback, Trainer
+
+    ends: list[float] = []
+
+    class Timer(Callback):
+        def on_train_start(self, trainer, pl_module):  # noqa: ANN001
+            on_start(pl_module)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # noqa: ANN001
+            synchronize(device)
+            ends.append(time.perf_counter())
+            on_batch(trainer, pl_module, batch)
+
+    trainer = Trainer(accelerator="gpu" if device == "cuda" else "cpu", devices=1, max_steps=warmup + steps,
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      num_sanity_val_steps=0, limit_val_batches=0, callbacks=[Timer()])
+    start = time.perf_counter()
+    trainer.fit(module, datamodule=datamodule)
+    return step_times(start, ends, warmup)
+
+
+# ---------------------------------------------------------------------------------------------- report
+def machine_line(extra: str = "") -> str:
+    """``machine: <arch>, <n> CPU cores, torch <version> (<n> threads), python <version>`` and ``extra``."""
+    import torch
+
+    return (f"machine: {platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__} "
+            f"({torch.get_num_threads()} threads), python {platform.python_version()}{extra}")
+
+
+def print_table(header: list[str], rows: Iterable[list[str]]) -> None:
+    """A Markdown table."""
+    print("| " + " | ".join(header) + " |")
+    print("|" + " --- |" * len(header))
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+
+
+def write_json(path: Path | None, table: list[dict], runs: dict) -> None:
+    """With ``--json``: the table's rows and every run's raw results."""
+    if path:
+        path.write_text(json.dumps({"table": table, "runs": runs}, indent=1))
