@@ -167,14 +167,15 @@ def step_metrics(stats: dict[str, list[Tensor]], batch: Any, update_time: float)
 def log_step(module: Any, metrics: dict[str, Tensor], step: int, batch_size: int) -> None:
     """Average ``metrics`` over ranks (one all-reduce) and log them through ``module.log_dict``.
 
-    Lightning writes them to the loggers at the end of the training step at its step counter for logging, the
-    number of rollout batches before this one: ``step`` (the same x-axis as ``val/reward``, kept across resumes),
-    every ``trainer.log_every_n_steps`` steps (every shipped config sets 1). ``reward`` is the progress bar's.
+    Lightning writes them to the loggers at the end of the training step, every ``trainer.log_every_n_steps``
+    steps (every shipped config sets 1), at ``step``, the number of rollout batches before this one (logged as
+    Lightning's ``step`` key, which sets the x-axis: the same as ``val/reward``'s, and right across resumes, where
+    Lightning's own logging counter is one ahead). ``reward`` is the progress bar's.
     """
     names = list(metrics)
     values = module.ranks.mean(torch.stack([metrics[k].detach().float().to(module.device).reshape(()) for k in names]))
     reduced = dict(zip(names, values))
-    module.log_dict(reduced, on_step=True, on_epoch=False, logger=True, batch_size=batch_size)
+    module.log_dict({**reduced, "step": float(step)}, on_step=True, on_epoch=False, logger=True, batch_size=batch_size)
     module.log("reward", reduced["train/reward"], prog_bar=True, logger=False, batch_size=batch_size)
 
 
