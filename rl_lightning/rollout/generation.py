@@ -97,9 +97,6 @@ def returned_cache(out: object) -> object:
     return cache if cache is not None else getattr(out, "past_key_values", None)
 
 
-_cache_argument, _returned_cache = cache_argument, returned_cache  # old names, until algorithms/base.py moves
-
-
 def draw(logits: Tensor, temperature: float, top_p: float, greedy: bool, generator: torch.Generator | None
          ) -> tuple[Tensor, Tensor, Tensor]:
     """One token per row of next-token ``logits`` ``[N, V]``: ``(token [N], its log-prob [N], the sampling

@@ -13,16 +13,32 @@ dtype, and their version (the learner updates they had seen).
 
 Held-out rollouts use the learner's current weights (``current``): an in-process engine bound to the policy;
 another engine loads them (a sync, from which its lag restarts).
+
+A policy sharded by FSDP2 (``models.sharding``) is never sampled from directly (a decode step would run outside
+the FSDP root's forward): the engine holds a plain copy, set up from the gathered weights, and every sync gathers
+them once (``full_state_dict``, a collective every rank reaches at the same step), not once per token.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
+from rl_lightning.models.sharding import full_state_dict, is_sharded, unsharded_copy
 from rl_lightning.rollout.engine import IN_PROCESS, RolloutEngine
+
+
+def _sharded(policy: nn.Module) -> bool:
+    return torch.distributed.is_available() and is_sharded(policy)
+
+
+def _weights(policy: nn.Module) -> Mapping[str, Tensor]:
+    """The learner's full weights: its state dict, gathered when it is sharded."""
+    return full_state_dict(policy) if _sharded(policy) else policy.state_dict()
 
 
 class SamplerSync:
@@ -45,11 +61,13 @@ class SamplerSync:
         self._published: tuple[int, dict[str, Tensor]] | None = None
         self._lock = threading.Lock()
 
-    @property
-    def live(self) -> bool:
-        """Whether training rollouts generate with the learner's policy itself (no copy, no sync)."""
-        return (self.interval == 1 and self.dtype is None and not self.asynchronous
-                and IN_PROCESS in self.engine.capabilities)
+    def _bindable(self, policy: nn.Module) -> bool:
+        """Whether the engine can generate with ``policy`` itself (in process, not sharded)."""
+        return IN_PROCESS in self.engine.capabilities and not _sharded(policy)
+
+    def shares(self, policy: nn.Module) -> bool:
+        """Whether training rollouts generate with the learner's ``policy`` itself (no copy, no sync)."""
+        return self.interval == 1 and self.dtype is None and not self.asynchronous and self._bindable(policy)
 
     @property
     def version(self) -> int:
@@ -64,7 +82,7 @@ class SamplerSync:
     def start(self, policy: nn.Module, version: int) -> RolloutEngine:
         """Set up the engine's own weights from ``policy`` (once; a resumed run's saved ones replace them)."""
         if not self.ready:
-            self.engine.setup(policy, self.dtype, version)
+            self.engine.setup(unsharded_copy(policy) if _sharded(policy) else policy, self.dtype, version)
             self.ready, self.synced_at = True, version
             if self._pending is not None:
                 self.engine.load_weights(self._pending["sampler"], self._pending["sampler_synced_at"])
@@ -73,21 +91,21 @@ class SamplerSync:
 
     def for_step(self, policy: nn.Module, step: int) -> RolloutEngine:
         """The engine ready for training step ``step``: synced if ``interval`` steps have passed."""
-        if self.live:
+        if self.shares(policy):
             return self._view(policy)
         engine = self.start(policy, step)
         if step - self.synced_at >= self.interval:
-            engine.load_weights(policy.state_dict(), step)
+            engine.load_weights(_weights(policy), step)
             self.synced_at = step
         return engine
 
     def current(self, policy: nn.Module, version: int) -> RolloutEngine:
         """An engine that samples with the learner's weights now (after ``version`` updates)."""
-        if IN_PROCESS in self.engine.capabilities:
+        if self._bindable(policy):
             return self._view(policy)
         engine = self.start(policy, version)
         if engine.version != version:
-            engine.load_weights(policy.state_dict(), version)
+            engine.load_weights(_weights(policy), version)
             self.synced_at = version
         return engine
 
@@ -98,7 +116,7 @@ class SamplerSync:
     # ------------------------------------------------------------------ asynchronous rollouts
     def publish(self, policy: nn.Module, version: int) -> None:
         """Offer the learner's current weights (after ``version`` updates) to the producer (a snapshot)."""
-        state = {k: v.detach().clone() for k, v in policy.state_dict().items()}
+        state = {k: v.detach().clone() for k, v in _weights(policy).items()}
         with self._lock:
             self._published = (version, state)
 

@@ -119,7 +119,7 @@ def test_the_sampler_sync_owns_lag_dtype_and_version():
     module = GRPO(model_name_or_path="embedded:random")
     policy = module.policy
     live = SamplerSync(KVCacheEngine())
-    assert live.live and live.for_step(policy, 0).model is policy  # no copy, nothing to sync
+    assert live.shares(policy) and live.for_step(policy, 0).model is policy  # no copy, nothing to sync
     lagged = SamplerSync(KVCacheEngine(), interval=2, dtype="bfloat16")
     copy = lagged.for_step(policy, 0).model
     assert copy is not policy and next(copy.parameters()).dtype == torch.bfloat16 and lagged.version == 0
@@ -129,7 +129,7 @@ def test_the_sampler_sync_owns_lag_dtype_and_version():
     state = lagged.state_dict()
     assert state["sampler_synced_at"] == 2 and state["sampler"]["lm_head.weight"].dtype == torch.bfloat16
     producer = SamplerSync(KVCacheEngine(), asynchronous=True)
-    assert not producer.live and producer.start(policy, 4).model is not policy and producer.version == 4
+    assert not producer.shares(policy) and producer.start(policy, 4).model is not policy and producer.version == 4
     producer.publish(policy, 3)
     producer.refresh()
     assert producer.version == 4  # older than what it holds: not loaded

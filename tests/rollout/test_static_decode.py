@@ -16,7 +16,7 @@ from transformers import (
 )
 
 from rl_lightning.rollout import sample
-from rl_lightning.rollout.generation import _cache_argument, _returned_cache
+from rl_lightning.rollout.generation import cache_argument, returned_cache
 from rl_lightning.rollout.static_decode import StaticDecoder, supports, unsupported_reason
 from tests.tolerances import decoder_logprob_bound
 
@@ -51,7 +51,7 @@ def _prompt_batch(vocab: int, lengths: list[int], seed: int = 0) -> tuple[torch.
 def _hf_prefill(model, ids, mask):
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-    return _returned_cache(out), positions[:, -1:] + 1
+    return returned_cache(out), positions[:, -1:] + 1
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -68,8 +68,8 @@ def test_decode_steps_match_the_models_forward(name):
             token = torch.randint(3, model.config.vocab_size, (ids.shape[0],), generator=g)
             attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
             ref = model(input_ids=token.unsqueeze(-1), attention_mask=attn, position_ids=pos, use_cache=True,
-                        **{_cache_argument(model): cache})
-            cache = _returned_cache(ref)
+                        **{cache_argument(model): cache})
+            cache = returned_cache(ref)
             ours = decoder.step(token, pos)
             assert ours.shape == (ids.shape[0], model.config.vocab_size)
             assert (ours - ref.logits[:, -1]).abs().max() < 1e-5
@@ -105,7 +105,7 @@ def test_bfloat16_decode_stays_close_to_the_models_forward():
         token = torch.tensor([5, 6])
         attn = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], dim=1)
         ref = model(input_ids=token.unsqueeze(-1), attention_mask=attn, position_ids=pos, use_cache=True,
-                    **{_cache_argument(model): cache}).logits[:, -1]
+                    **{cache_argument(model): cache}).logits[:, -1]
         ours = decoder.step(token, pos)
     assert ours.dtype == torch.bfloat16 and decoder.cache.dtype == torch.bfloat16
     assert (ours.float() - ref.float()).abs().max() < 0.05  # bf16 rounding of a different summation order
