@@ -45,7 +45,8 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 import rl_lightning
-from rl_lightning import compat, config_check, runs
+from rl_lightning import config_check, runs
+from rl_lightning.callbacks import compat
 from rl_lightning.algorithms.base import RLModule
 from rl_lightning.callbacks.progress import RLProgressBar
 from rl_lightning.callbacks.safety import FailureDump, GracefulInterrupt, RunInterrupted, RunStopped, checkpoint_dir

@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 from jsonargparse import Namespace
 
-from rl_lightning.compat import StackingParser
+from rl_lightning.callbacks.compat import StackingParser
 
 _CALLBACKS = "trainer.callbacks"
 _SPEC_KEYS = ("class_path", "init_args", "dict_kwargs", "__path__")

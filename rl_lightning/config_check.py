@@ -33,7 +33,7 @@ from rl_lightning.cli_parser import (
     _CALLBACKS, _SPEC_KEYS, callback_appends_as_configs, find_class, load_value, lookup, merge_callbacks,
     resolve_class, suggest,
 )
-from rl_lightning.compat import signature_parameters
+from rl_lightning.callbacks.compat import signature_parameters
 
 #: top-level keys of the command line that are not a class (and ``optimizer``/``lr_scheduler``, refused)
 _TOP_LEVEL = {"config", "seed_everything", "ckpt_path", "weights_only", "print_config", "help"}

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from rl_lightning import compat, config_check
+from rl_lightning import config_check
+from rl_lightning.callbacks import compat
 from rl_lightning.cli import _negative_values, cli_main
 from tests.conftest import REPO
 

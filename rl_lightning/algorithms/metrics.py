@@ -165,18 +165,22 @@ def step_metrics(stats: dict[str, list[Tensor]], batch: Any, update_time: float)
 
 
 def log_step(module: Any, metrics: dict[str, Tensor], step: int, batch_size: int) -> None:
-    """Average ``metrics`` over ranks (one all-reduce) and log them through ``module.log_dict``.
+    """Average ``metrics`` over ranks (one all-reduce) and write them at ``step``, the rollout's index.
 
-    Lightning writes them to the loggers at the end of the training step, every ``trainer.log_every_n_steps``
-    steps (every shipped config sets 1), at ``step``, the number of rollout batches before this one (logged as
-    Lightning's ``step`` key, which sets the x-axis: the same as ``val/reward``'s, and right across resumes, where
-    Lightning's own logging counter is one ahead). ``reward`` is the progress bar's.
+    ``module.log_dict`` feeds the progress bar and the callbacks (``reward``: the bar's); the loggers get the
+    values at ``step`` explicitly, the x-axis of ``val/reward``. Lightning's own logging step (``logger=True``)
+    is not used: after a resume from a checkpoint written at the end of fit it runs one ahead (measured: a
+    resumed curve logged at 0, 1, 3), and setting it needs Lightning's private loop state.
     """
     names = list(metrics)
     values = module.ranks.mean(torch.stack([metrics[k].detach().float().to(module.device).reshape(()) for k in names]))
     reduced = dict(zip(names, values))
-    module.log_dict({**reduced, "step": float(step)}, on_step=True, on_epoch=False, logger=True, batch_size=batch_size)
+    module.log_dict(reduced, on_step=True, on_epoch=False, logger=False, batch_size=batch_size)
     module.log("reward", reduced["train/reward"], prog_bar=True, logger=False, batch_size=batch_size)
+    if module.trainer.is_global_zero:
+        scalars = {k: float(v) for k, v in reduced.items()}
+        for logger in module.loggers:
+            logger.log_metrics(scalars, step=step)
 
 
 class StepLogging:

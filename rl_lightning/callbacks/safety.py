@@ -32,7 +32,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info
 
-from rl_lightning import compat
+from rl_lightning.callbacks import compat
 from rl_lightning.rollout.batch import RolloutBatch
 
 FAILURE_DIRNAME = "failures"
