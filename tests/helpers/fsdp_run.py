@@ -1,14 +1,15 @@
 """Run GRPO for a few steps on 2 CPU processes (gloo) under FSDP2 or DDP and dump what each rank ended with.
 
-Usage: python tests/helpers/fsdp_run.py OUT_DIR fsdp|ddp STEPS [RESUME_CKPT]
+Usage: python tests/helpers/fsdp_run.py OUT_DIR fsdp|ddp STEPS adam|sgd [RESUME_CKPT]
        (Lightning relaunches this script for the second rank)
 
 FSDP2 is Lightning's ``ModelParallelStrategy`` (``data_parallel_size=2``): ``RLModule.configure_model`` shards the
 policy one decoder layer at a time (``fully_shard``), generation samples with the full weights the sampler sync
 gathers once per sync. Checkpoints are single files with the full state (``save_distributed_checkpoint=False``),
 one per step under ``OUT_DIR/ckpt``. Per rank it writes ``rank{r}.pt``: the policy's full weights at the end and the
-``train/grad_norm`` logged at every step. Gradients are clipped (``max_grad_norm=0.05``, below the norms the run
-sees), so the clip is active at every step.
+``train/grad_norm`` logged at every step. ``adam``: GRPO's AdamW with the gradient clipped (``max_grad_norm=0.05``,
+below the norms the run sees, so the clip is active at every step); ``sgd``: plain SGD (``lr=1e-3``, no momentum,
+no weight decay, no clip), so that a step moves the weights by exactly ``-lr`` times the gradient.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ from tests.conftest import tiny_datamodule  # noqa: E402
 from tests.helpers.ddp_run import GradedMatch  # noqa: E402
 
 
+SGD_LR = 1e-3
+
+
 class GradNorms(Callback):
     def __init__(self) -> None:
         self.norms: list[float] = []
@@ -38,11 +42,13 @@ class GradNorms(Callback):
 
 
 def main() -> None:
-    out, kind, steps = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
-    resume = sys.argv[4] if len(sys.argv) > 4 else None
+    out, kind, steps, opt = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    resume = sys.argv[5] if len(sys.argv) > 5 else None
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    module = GRPO(model_name_or_path="embedded:arithmetic", max_grad_norm=0.05, seed=0)
+    settings = (dict(max_grad_norm=0.05) if opt == "adam" else
+                dict(max_grad_norm=None, optimizer=lambda params: torch.optim.SGD(params, lr=SGD_LR)))
+    module = GRPO(model_name_or_path="embedded:arithmetic", seed=0, **settings)
     dm = tiny_datamodule(reward_fn=GradedMatch(), prompts_per_step=4, group_size=4)
     strategy = (ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, save_distributed_checkpoint=False)
                 if kind == "fsdp" else "ddp")
