@@ -14,6 +14,14 @@ from rl_lightning.functional.advantages import (
     outcome_gae,
     outcome_token_rewards,
 )
+from rl_lightning.functional.credit import (
+    anchored_credit,
+    group_step_normalized,
+    group_step_std,
+    interpolated_values,
+    turn_mask_from_index,
+    turn_token_advantages,
+)
 from rl_lightning.functional.critics import (
     band_mask_weights,
     bounded_value,
@@ -71,6 +79,12 @@ from rl_lightning.functional.trpo import (
 )
 
 __all__ = [
+    "anchored_credit",
+    "group_step_normalized",
+    "group_step_std",
+    "interpolated_values",
+    "turn_mask_from_index",
+    "turn_token_advantages",
     "variance_weights",
     "length_adaptive_lambda",
     "divergence_clip_bounds",
