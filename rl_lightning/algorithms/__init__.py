@@ -12,6 +12,7 @@ from rl_lightning.algorithms.metrics import Summed, TokenMean
 from rl_lightning.algorithms.easyppo import EasyPPO
 from rl_lightning.algorithms.flash_reinforce import FlashREINFORCE
 from rl_lightning.algorithms.grpo import GRPO
+from rl_lightning.algorithms.lvrl import LVRL
 from rl_lightning.algorithms.pg import PolicyGradient
 from rl_lightning.algorithms.ppo import PPO
 from rl_lightning.algorithms.reinforce import REINFORCE
@@ -23,7 +24,7 @@ from rl_lightning.algorithms.stable_reinforce import StableReinforce
 from rl_lightning.algorithms.trpo import TRPO
 
 __all__ = [
-    "Advantages", "BPCO", "CriticLearner", "HeldoutEvaluation", "Summed", "TokenMean", "CoPE", "EasyPPO", "FlashREINFORCE", "GRPO", "PPO", "REINFORCE", "RLOO", "SAO", "SPO",
+    "Advantages", "BPCO", "CriticLearner", "HeldoutEvaluation", "Summed", "TokenMean", "CoPE", "EasyPPO", "FlashREINFORCE", "GRPO", "LVRL", "PPO", "REINFORCE", "RLOO", "SAO", "SPO",
     "ScoreCentering", "StableReinforce", "TRPO", "HeldoutObserver", "LossTerm", "NonFiniteLossError", "PolicyGradient",
     "PolicyOutput", "RLModule",
 ]
