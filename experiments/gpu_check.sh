@@ -7,7 +7,7 @@
 #   1. the gpu-marked tests (tests/test_gpu.py: fp32 on-policy log-probs on CUDA, bf16 weights train);
 #   2. the default config in bf16 on one GPU (configs/grpo.yaml + configs/presets/gpu-bf16.yaml, 30 steps),
 #      with its val/reward, step time and train/sampler_logp_diff;
-#   3. two steps under the FSDP preset on one GPU (never run before: Lightning refuses FSDP on CPU);
+#   3. two steps under the FSDP2 preset (ModelParallelStrategy) on one GPU (tested on 2 CPU processes only);
 #   4. experiments/bench_vs_trl.py --device cuda at 50.6M parameters (needs `pip install -e '.[bench]'`);
 #   5. configs/grpo_smollm2.yaml for 5 steps in bf16, if the SmolLM2-135M checkpoint was built
 #      (experiments/smollm2.py).
@@ -61,7 +61,7 @@ for run in sorted(glob.glob(f"{sys.argv[1]}/version_*")):
 PY
 
 part fsdp_two_steps 180 "$bin/rl-lightning" fit --config configs/grpo.yaml --config configs/presets/fsdp.yaml \
-  --trainer.devices 1 --trainer.max_steps 2 --trainer.val_check_interval 2 \
+  --trainer.devices 1 --trainer.strategy.init_args.data_parallel_size 1 --trainer.max_steps 2 --trainer.val_check_interval 2 \
   --trainer.logger.init_args.save_dir "$runs" --trainer.logger.init_args.name fsdp
 grep -E "^rl-lightning: |Error" "$out/fsdp_two_steps.log" | tail -3 | tee -a "$report"
 

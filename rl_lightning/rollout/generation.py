@@ -20,6 +20,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
 from rl_lightning.functional.logprobs import sampling_logits
+from rl_lightning.models.sharding import is_sharded
 from rl_lightning.rollout.static_decode import StaticDecoder, supports
 
 try:  # recent transformers: a cache is a list of layers; a plain DynamicLayer holds [B, kv, S, D] keys/values
@@ -164,10 +165,12 @@ def stochastic_forward(model: nn.Module) -> bool:
 
 def can_share_prompts(model: nn.Module) -> bool:
     """Whether identical prompt rows may share one forward of ``model`` (``prefill``,
-    ``algorithms.base.shared_prompt_forward``): a Hugging Face model (it has a ``config``) whose cache has not been
-    found unshareable, whose forward is deterministic (``stochastic_forward``) and keeps a cache (no gradient
-    checkpointing)."""
-    if getattr(model, "config", None) is None or model in _UNSHAREABLE or stochastic_forward(model):
+    ``algorithms.forward.shared_prompt_forward``): a Hugging Face model (it has a ``config``) whose cache has not
+    been found unshareable, whose forward is deterministic (``stochastic_forward``), keeps a cache (no gradient
+    checkpointing) and is not sharded by FSDP2 (each forward is a collective there, and whether a micro-batch
+    shares depends on its rows, which differ per rank: the ranks would run different numbers of forwards)."""
+    if (getattr(model, "config", None) is None or model in _UNSHAREABLE or stochastic_forward(model)
+            or is_sharded(model)):
         return False
     name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") \
         else "is_gradient_checkpointing"
