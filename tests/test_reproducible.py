@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -115,6 +116,7 @@ def test_the_same_seed_gives_the_same_weights_with_two_threads_on_busy_cores(tmp
     _assert_bitwise_equal(first, second)
 
 
+@pytest.mark.slow  # 3 CLI fits on busy cores, ~3 min; tests/test_contract.py checks resume bitwise for every method
 def test_a_resumed_run_is_the_straight_run_bitwise(tmp_path):
     with _busy_cores():
         straight = _fit(tmp_path / "straight", "--trainer.max_steps", "4")
