@@ -1,16 +1,12 @@
 """``RLModule``: what every method shares. A method subclasses it and overrides a few narrow hooks.
 
-``training_step``, for one ``RolloutBatch``: ``batch = term.prepare(self, batch)`` for each ``LossTerm`` callback
-that has it; ``adv = compute_advantages(batch)`` (a tensor or an ``Advantages``); ``weights = loss_weights(batch)``
-(the aggregation normaliser over every rank); ``update(batch, adv, weights)``: ``before_update``, then for each
-optimiser step of ``planning.plan_update`` (μ passes x ``num_minibatches``) and each of its micro-batches
-``out = forward_policy(mb)``, ``policy_loss`` (by default ``-Σ w · policy_objective(ρ, A)``, ``ρ`` computed once)
-``+ extra_losses + LossTerm``s, backward; clip, refuse non-finite values, step; then ``after_update``; finally the
-metrics are logged at the rollout's step (``metrics.py``: a metric's kind is stated where its value is made).
-
-The learner forward is ``forward.py``, the update planning ``planning.py``, the collectives ``Ranks``, the held-out
-evaluation the ``HeldoutEvaluation`` callback every module brings (``configure_callbacks``). ``global_step`` counts
-rollout batches: only the last optimiser step of a batch goes through Lightning's step counter.
+``training_step``, per ``RolloutBatch``: each ``LossTerm``'s ``prepare``; ``adv = compute_advantages(batch)`` (a
+tensor or an ``Advantages``); ``weights = loss_weights(batch)`` (over every rank); ``update``: ``before_update``,
+then per optimiser step of ``planning.plan_update`` and per micro-batch ``forward_policy``, ``policy_loss`` (by
+default ``-Σ w · policy_objective(ρ, A)``, ``ρ`` once) ``+ extra_losses + LossTerm``s, backward; clip, refuse
+non-finite values, step; ``after_update``; then the step's metrics (``metrics.py``). The learner forward is
+``forward.py``, the planning ``planning.py``, the collectives ``Ranks``, the held-out evaluation the
+``HeldoutEvaluation`` callback (``configure_callbacks``). ``global_step`` counts rollout batches.
 """
 
 from __future__ import annotations
@@ -27,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from rl_lightning.algorithms.advantages import Advantages
 from rl_lightning.algorithms.checks import check_settings
-from rl_lightning.algorithms.distributed import Ranks, shard_fully
+from rl_lightning.algorithms.distributed import Ranks, shard_module
 from rl_lightning.algorithms.evaluation import HeldoutEvaluation
 from rl_lightning.algorithms.forward import LearnerForward, PolicyOutput, with_proximal_logprobs
 from rl_lightning.algorithms.metrics import (
@@ -35,7 +31,8 @@ from rl_lightning.algorithms.metrics import (
 )
 from rl_lightning.algorithms.protocols import LossTerm
 from rl_lightning.algorithms.planning import (
-    check_rollout_settings, micro_batch, plan_update, prompt_blocks, rollout_weights, skipped_rows, unforwarded, zero_advantage_rows,
+    check_rollout_settings, micro_batch, plan_update, prompt_blocks, require_data_setting, rollout_weights, skipped_rows,
+    unforwarded, zero_advantage_rows,
 )
 from rl_lightning.functional import AggregationMode, aggregate
 from rl_lightning.models.policy import DType, load_policy
@@ -49,18 +46,15 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
     """Base of every algorithm: policy, optimiser, the step template and its hooks.
 
     Args:
-        model_name_or_path: ``embedded:arithmetic`` (the packaged warm start), ``embedded:random``, or a local
-            Hugging Face checkpoint directory.
-        dtype: parameter dtype of the policy (``bfloat16`` for real models on GPU).
+        model_name_or_path: ``embedded:arithmetic`` (the packaged warm start), ``embedded:random``, or a local HF
+            checkpoint directory. dtype: the policy's parameter dtype (``bfloat16`` for real models on GPU).
         optimizer: optimiser factory, e.g. ``{class_path: torch.optim.AdamW, init_args: {lr: 1e-4}}``.
         lr_scheduler: optional scheduler factory, stepped once per rollout batch.
-        num_iterations: μ, passes over each rollout batch (π_old stays the sampler's log-probs).
-        num_minibatches: optimiser steps per pass; must divide the number of rows.
+        num_iterations: μ, passes over each rollout batch; num_minibatches: optimiser steps per pass.
         micro_batch_size: rows per forward/backward (gradient accumulation); ``None`` = the whole minibatch.
         loss_aggregation: how per-token losses are combined (see ``functional.aggregation_weights``).
         max_grad_norm: gradient-norm clip (``None`` disables clipping; the norm is still logged).
-        logprob_chunk_size: token positions per chunk when turning logits into log-probs and entropy.
-        seed: seeds minibatch shuffling.
+        logprob_chunk_size: token positions per log-softmax chunk. seed: seeds minibatch shuffling.
         skip_inert_rows: do not forward rows whose loss is exactly zero with zero gradient (``inert_rows``); the
             update is the same up to the rounding of a sum in another order (``train/skipped_rows``: the fraction).
         length_bucketing: order each minibatch's rows by response length before cutting micro-batches, and cut
@@ -243,13 +237,8 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
         return Ranks(self._trainer)
 
     def configure_model(self) -> None:
-        """Under ``ModelParallelStrategy`` (FSDP2: ``trainer.strategy`` with a ``data_parallel`` mesh), shard the policy
-        and the critic one decoder block at a time (``distributed.shard_fully``); nothing otherwise."""
-        if self.device_mesh is not None:
-            mesh = self.device_mesh["data_parallel"]
-            shard_fully(self.policy, mesh)
-            if getattr(self, "critic", None) is not None:
-                shard_fully(self.critic, mesh, forward_methods=("values",))
+        """Under ``ModelParallelStrategy`` (FSDP2), shard policy and critic per decoder block (``shard_module``)."""
+        shard_module(self, self.device_mesh)
 
     def configure_callbacks(self) -> list[Callback]:
         """The callbacks every run of a method needs: the held-out evaluation (``val/reward``)."""
@@ -277,12 +266,8 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
             self.check_datamodule(datamodule)
 
     def require_data_setting(self, datamodule: Any, setting: str, what: str, minimum: int = 1) -> None:
-        """For ``check_datamodule``: refuse a data module whose ``setting`` (an int such as ``record_topk``) is
-        below ``minimum``, naming the config field (a data module without the attribute is not checked)."""
-        value = getattr(datamodule, setting, None)
-        if value is not None and value < minimum:
-            raise ValueError(f"{type(self).__name__} needs data.init_args.{setting} >= {minimum} ({what}); "
-                             f"it is {value}")
+        """For ``check_datamodule``: ``planning.require_data_setting`` (refuse ``setting < minimum``, by field)."""
+        require_data_setting(self, datamodule, setting, what, minimum)
 
     def loss_weights(self, batch: RolloutBatch) -> Tensor:
         """Aggregation weights ``[N, T]`` of the whole rollout batch over every rank (``planning.rollout_weights``)."""

@@ -50,3 +50,13 @@ class Ranks:
         torch.distributed.all_gather_object(gathered, obj)
         return gathered
 
+
+
+def shard_module(module: Any, mesh: Any) -> None:
+    """FSDP2 for an ``RLModule`` under ``ModelParallelStrategy`` (``mesh``: its device mesh, ``None`` otherwise: then
+    nothing): the policy and a critic (``values`` registered as a forward) one unit per decoder block."""
+    if mesh is None:
+        return
+    shard_fully(module.policy, mesh["data_parallel"])
+    if getattr(module, "critic", None) is not None:
+        shard_fully(module.critic, mesh["data_parallel"], forward_methods=("values",))

@@ -246,3 +246,12 @@ def rollout_weights(batch: RolloutBatch, mode: Any, ranks: Any) -> Tensor:
     counts = ranks.sum(torch.tensor([float(batch.num_rows), float(batch.loss_mask.sum())], device=batch.loss_mask.device))
     return aggregation_weights(batch.loss_mask, mode, num_sequences=int(counts[0]),
                                num_tokens=float(counts[1])) * ranks.world_size
+
+
+def require_data_setting(module: Any, datamodule: Any, setting: str, what: str, minimum: int = 1) -> None:
+    """Refuse a data module whose ``setting`` (an int such as ``record_topk``) is below ``minimum``, naming the
+    config field and what the method reads from it (a data module without the attribute is not checked)."""
+    value = getattr(datamodule, setting, None)
+    if value is not None and value < minimum:
+        raise ValueError(f"{type(module).__name__} needs data.init_args.{setting} >= {minimum} ({what}); "
+                         f"it is {value}")
