@@ -19,6 +19,8 @@ relative to the largest gradient entry is printed).
 
 from __future__ import annotations
 
+import dataclasses
+
 import argparse
 import statistics
 import sys
@@ -91,7 +93,7 @@ def long_batch(module: GRPO, real: RolloutBatch, seed: int = 0, max_len: int = 5
         prompt_index=real.prompt_index, truncated=torch.zeros(n, dtype=torch.bool),
     )
     with torch.no_grad():  # on-policy: the sampler's log-probs are the learner's
-        batch.sampler_logprobs = module.forward_policy(batch).logprobs
+        batch = dataclasses.replace(batch, sampler_logprobs=module.forward_policy(batch).logprobs)
     return batch
 
 

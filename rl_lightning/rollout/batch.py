@@ -49,7 +49,7 @@ _ROW_TENSORS = (
 )
 
 
-@dataclass
+@dataclass(frozen=True)
 class RolloutBatch:
     """Every tensor of one rollout step.
 
@@ -140,12 +140,6 @@ class RolloutBatch:
                 raise ValueError(f"RolloutBatch.extras[{name!r}] has shape {tuple(value.shape)}, expected ({n}, ...)")
         if self.group_size < 1 or n % self.group_size:
             raise ValueError(f"RolloutBatch: group_size={self.group_size} does not divide N={n}")
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name not in _FIELD_NAMES:  # would be lost by to()/select(): say where it belongs instead
-            raise AttributeError(f"RolloutBatch has no field {name!r}; attach per-row tensors as "
-                                 f"batch.extras[{name!r}] (they follow to() and select())")
-        super().__setattr__(name, value)
 
     @property
     def num_rows(self) -> int:

@@ -6,7 +6,7 @@ prefixes. A ``RolloutStrategy`` like ``GroupRollout``, whose episode loop it sha
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -102,5 +102,4 @@ class BranchRollout(GroupRollout):
         make = self._maker(ctx, prompt_ids, prompt_mask, gen, self.n, [b.prompt_index for b in rows_of], prompts,
                            responses, time.perf_counter() - t0, self._episode_fields(gen))
         out = make(episodes.returns(), 0.0, episodes)
-        out.truncated = gen.truncated | torch.tensor(episodes.env_truncated, device=gen.truncated.device)
-        return out
+        return replace(out, truncated=gen.truncated | torch.tensor(episodes.env_truncated, device=gen.truncated.device))

@@ -168,8 +168,8 @@ class GroupRollout(RolloutStrategy):
             make = self._maker(ctx, prompt_ids, prompt_mask, gen, group, indices, prompts, responses, t1 - t0,
                                self._episode_fields(gen))
             batch_out = make(episodes.returns(), 0.0, episodes)
-            batch_out.truncated = gen.truncated | torch.tensor(episodes.env_truncated, device=gen.truncated.device)
-            return batch_out
+            return replace(batch_out, truncated=gen.truncated | torch.tensor(episodes.env_truncated,
+                                                                             device=gen.truncated.device))
         gen = _on(self._generate(ctx.engine, rows, group, params), ctx.device)
         t1 = time.perf_counter()
         lengths = gen.mask.sum(dim=1).tolist()
@@ -189,8 +189,7 @@ class GroupRollout(RolloutStrategy):
         batch_out = make(episodes.returns(), time.perf_counter() - t1, episodes)
         # as in sample_episodes: the environment truncated it, or the turn limit ends an episode that goes on
         cut = [truncated or not done for truncated, done in zip(episodes.env_truncated, over)]
-        batch_out.truncated = gen.truncated | torch.tensor(cut, device=gen.truncated.device)
-        return batch_out
+        return replace(batch_out, truncated=gen.truncated | torch.tensor(cut, device=gen.truncated.device))
 
     @staticmethod
     def _generate(engine: RolloutEngine, rows: list[list[int]], group: int, params: SamplingParams) -> Generation:

@@ -3,6 +3,8 @@ critic targets, clip interval, truncation filter and critic weights, on hand bat
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from dataclasses import replace
 
@@ -51,7 +53,7 @@ def test_bpco_advantages_use_each_responses_own_lambda_and_the_critic_targets_th
 def _objective_grad(module, p: float, pi: float, advantage: float) -> tuple[float, float]:
     """``(objective, d objective / d log π)`` at one token with rollout probability ``p`` and learner ``π``."""
     batch = _batch([1], [0.0], group_size=1, width=1)
-    batch.sampler_logprobs = torch.tensor([[math.log(p)]])
+    batch = dataclasses.replace(batch, sampler_logprobs=torch.tensor([[math.log(p)]]))
     logprobs = torch.tensor([[math.log(pi)]], requires_grad=True)
     ratio = torch.exp((logprobs - batch.sampler_logprobs) * batch.loss_mask)  # as RLModule.policy_loss makes it
     objective, _ = module.policy_objective(batch, PolicyOutput(logprobs), ratio, Advantages(torch.tensor([[advantage]])))

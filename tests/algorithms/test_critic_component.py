@@ -19,7 +19,7 @@ def _rollout(module):
     dm = tiny_datamodule()
     dm.trainer = fake_trainer(module)
     batch = dm.rollout(dm.prompt_batch(0))
-    batch.rewards = torch.rand(batch.num_rows, generator=torch.Generator().manual_seed(0))  # graded returns
+    batch = replace(batch, rewards=torch.rand(batch.num_rows, generator=torch.Generator().manual_seed(0)))  # graded returns
     return batch
 
 
@@ -147,7 +147,7 @@ def test_a_reference_answer_reaches_the_critic_only():
     text = module.tokenizer.decode(ids[0, :prompt_length][mask[0, :prompt_length].bool()])
     assert f"answer: {batch.prompts[0].answer}" in text and ids.shape[1] == prompt_length + width
     values = module.critic_learner.rollout_values(batch)
-    other = dataclasses.replace(batch, prompts=[dataclasses.replace(p, answer="999") for p in batch.prompts])
+    other = replace(batch, prompts=[replace(p, answer="999") for p in batch.prompts])
     assert not torch.allclose(module.critic_learner.rollout_values(other), values)  # the critic reads the reference ...
     with torch.no_grad():  # ... the policy does not
         assert torch.equal(module.forward_policy(other).logprobs, module.forward_policy(batch).logprobs)

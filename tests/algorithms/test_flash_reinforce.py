@@ -4,6 +4,8 @@ depend on micro-batching or on the split over ranks, and the method trains from 
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from types import SimpleNamespace
 
@@ -46,7 +48,7 @@ def _lag(module: FlashREINFORCE, batch: RolloutBatch, shifts: list[float]) -> Ro
         learner = module.forward_policy(batch).logprobs
     noise = torch.randn(learner.shape, generator=torch.Generator().manual_seed(7))
     sampler = (learner + torch.tensor(shifts)[:, None] * (1.0 + noise)).clamp(max=0.0)
-    batch.sampler_logprobs = sampler * batch.loss_mask
+    batch = dataclasses.replace(batch, sampler_logprobs=sampler * batch.loss_mask)
     return batch
 
 
@@ -169,7 +171,7 @@ def test_an_all_filtered_batch_gives_zero_loss_and_zero_gradient():
     module = _module(delta=1e-3)
     batch = _batch([4, 2, 3], [1.0, 0.0, 0.5])
     with torch.no_grad():  # the sampler gave every token e^-40 of the learner's probability
-        batch.sampler_logprobs = (module.forward_policy(batch).logprobs - 40.0) * batch.loss_mask
+        batch = dataclasses.replace(batch, sampler_logprobs=(module.forward_policy(batch).logprobs - 40.0) * batch.loss_mask)
     params = list(module.policy.parameters())
     out = module.forward_policy(batch)
     loss, stats = module.policy_loss(batch, out, Advantages(module.compute_advantages(batch).unsqueeze(-1)),

@@ -30,6 +30,8 @@ their terms: the loss cancels).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
@@ -321,7 +323,7 @@ def test_episodes_share_only_the_first_observations_that_are_equal(monkeypatch, 
                            strategy=GroupRollout(max_turns=2))
     dm.trainer = fake_trainer(module)
     batch = _off_policy(module, dm.rollout(dm.prompt_batch(0)))
-    batch.rewards = torch.tensor([1.0, 0.0, 0.5, 0.0, 1.0, 0.25])  # spread in both groups: every row has a gradient
+    batch = dataclasses.replace(batch, rewards=torch.tensor([1.0, 0.0, 0.5, 0.0, 1.0, 0.25]))  # spread in both groups: every row has a gradient
     first, inverse = distinct_rows(batch.input_ids[:, :batch.prompt_length])
     groups = inverse.view(-1, 3)
     if isinstance(task, _SeededStartTask):  # 3 different starts per group, each shared with the other group

@@ -24,6 +24,8 @@ the advantages are zero-mean per group and the terms cancel).
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from dataclasses import replace
 from types import SimpleNamespace
@@ -71,7 +73,7 @@ def _off_policy(module, batch: RolloutBatch) -> RolloutBatch:  # noqa: ANN001
     with torch.no_grad():
         learner = module.forward_policy(batch).logprobs
     noise = 0.2 * torch.randn(learner.shape, generator=torch.Generator().manual_seed(7))
-    batch.sampler_logprobs = (learner + noise).clamp(max=0.0) * batch.loss_mask
+    batch = dataclasses.replace(batch, sampler_logprobs=(learner + noise).clamp(max=0.0) * batch.loss_mask)
     return batch
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import copy
 import math
 import pickle
@@ -272,14 +274,17 @@ def test_an_environment_turn_reward_may_be_any_real_number(module, value):
     assert batch.turn_rewards[:, 1].tolist() == [float(value)] * 6
 
 
-def test_per_row_extras_survive_select_and_unknown_attributes_are_refused(module):
+def test_per_row_extras_survive_select_and_the_batch_changes_only_through_replace(module):
     batch = rollout(module, GroupRollout(max_turns=3))
     batch.extras["score"] = torch.arange(6.0)
     part = batch.select(torch.tensor([4, 1]))
     assert part.extras["score"].tolist() == [4.0, 1.0]
     assert part.turn_index.shape[0] == 2 and part.num_turns.shape == (2,) and part.prompt_id.shape == (2,)
-    with pytest.raises(AttributeError, match="extras"):
+    with pytest.raises(dataclasses.FrozenInstanceError):  # an unknown attribute would be lost by select()/to()
         batch.my_tensor = torch.zeros(6)
+    with pytest.raises(dataclasses.FrozenInstanceError):  # a field too: a new batch is dataclasses.replace(...)
+        batch.rewards = torch.zeros(6)
+    assert torch.equal(dataclasses.replace(batch, rewards=torch.zeros(6)).rewards, torch.zeros(6))
 
 
 def test_the_outcome_reward_sits_on_the_last_model_token_and_observations_get_nothing(module):
@@ -371,7 +376,7 @@ def test_observation_tokens_get_zero_loss_and_zero_kl(module):
     from rl_lightning.callbacks import KLRegularizer
 
     batch = rollout(module, GroupRollout(max_turns=3))
-    batch.rewards = torch.arange(6.0)
+    batch = dataclasses.replace(batch, rewards=torch.arange(6.0))
     weights = module.loss_weights(batch)
     assert (weights[batch.obs_mask.bool()] == 0).all() and (weights[batch.loss_mask.bool()] > 0).all()
     advantages = Advantages(module.compute_advantages(batch).unsqueeze(-1))
@@ -392,7 +397,7 @@ def test_ppo_advantages_skip_observation_tokens(module):
     torch.manual_seed(0)
     ppo = PPO(model_name_or_path="embedded:random")
     batch = rollout(module, GroupRollout(max_turns=3))
-    batch.rewards = torch.arange(6.0)
+    batch = dataclasses.replace(batch, rewards=torch.arange(6.0))
     with torch.no_grad():
         adv = ppo.compute_advantages(batch)
     advantages = adv.advantages
