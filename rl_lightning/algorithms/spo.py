@@ -12,7 +12,7 @@ and applies them in rank order) and saved in checkpoints.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import torch
 from torch import Tensor
@@ -77,7 +77,10 @@ class SPO(GRPO):
                 f"SPO(prioritized=true) draws prompts from its tracker: set data.init_args.prompt_sampler to "
                 f"{{class_path: rl_lightning.rollout.WeightedSampler, init_args: {{pool_size: ...}}}} (got "
                 f"{type(sampler).__name__}), or model.init_args.prioritized: false")
-        sampler.weights_from(self.prompt_weights)
+
+    def prompt_weight_fn(self) -> Callable[[Sequence[Prompt]], Tensor] | None:
+        """What the data module's ``WeightedSampler`` draws prompts by: ``prompt_weights`` when ``prioritized``."""
+        return self.prompt_weights if self.prioritized else None
 
     def values(self, uids: Sequence[int]) -> Tensor:
         """``v̂`` of each prompt (float64; the prior's for prompts never seen)."""

@@ -30,7 +30,7 @@ from rl_lightning.rollout.batch import PromptBatch, RolloutBatch
 from rl_lightning.rollout.encoding import PromptEncoder
 from rl_lightning.rollout.engine import AUX_DRAWS, TOPK, RolloutEngine, SamplingParams, check_capabilities
 from rl_lightning.rollout.engines import KVCacheEngine
-from rl_lightning.rollout.prompts import PromptSampler, SequentialSampler
+from rl_lightning.rollout.prompts import PromptSampler, SequentialSampler, WeightedSampler
 from rl_lightning.rollout.strategies import GroupRollout, RolloutContext, RolloutStrategy
 from rl_lightning.rollout.sync import SamplerSync
 
@@ -178,10 +178,16 @@ class RolloutDataModule(LightningDataModule):
         return needs
 
     def _bind_trained_module(self, required: bool) -> None:
-        """``bind`` the trained module's policy and tokenizer (the one place the data module reads its module)."""
+        """``bind`` the trained module's policy and tokenizer, and hand a ``WeightedSampler`` the module's prompt weights
+        (``module.prompt_weight_fn()``, when it has one that returns a function: SPO's tracker) -- the one place the
+        data module reads its module."""
         module = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
         if module is not None and hasattr(module, "policy") and hasattr(module, "tokenizer"):
             self.bind(module.policy, module.tokenizer)
+            weight_fn = getattr(module, "prompt_weight_fn", None)  # a method that weights the prompts it is given
+            weights = weight_fn() if callable(weight_fn) else None
+            if weights is not None and isinstance(self.prompt_sampler, WeightedSampler):
+                self.prompt_sampler.weights_from(weights)
         elif required:
             raise RuntimeError("RolloutDataModule needs a LightningModule with `policy` and `tokenizer` attributes")
 
