@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rl_lightning.models.sharding import full_state_dict, shard_fully  # noqa: F401 (the collectives' home)
+from rl_lightning.models.sharding import shard_fully
 
 
 class Ranks:

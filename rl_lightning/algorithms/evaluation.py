@@ -26,6 +26,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics import MeanMetric
 
 from rl_lightning.rollout.batch import RolloutBatch
+from rl_lightning.rollout.datamodule import RolloutDataModule
 
 
 @runtime_checkable
@@ -99,22 +100,21 @@ class HeldoutEvaluation(Callback):
     @torch.no_grad()
     def _evaluate(self, trainer: Trainer, pl_module: LightningModule, datamodule: Any, when: str) -> None:
         """Greedy held-out evaluation outside Lightning's loop; logs ``val/reward`` at ``global_step``."""
-        step = trainer.global_step
-        first = None
-        if hasattr(datamodule, "val_prompt_batches") and hasattr(datamodule, "rollout"):
-            total, count = 0.0, 0
-            for prompt_batch in datamodule.val_prompt_batches():
-                rollout = datamodule.rollout(prompt_batch)
-                total += float(rollout.rewards.sum())
-                count += rollout.num_rows
-                first = rollout if first is None else first
-        else:
+        step, first = trainer.global_step, []
+
+        def keep_first(batch: RolloutBatch) -> None:  # only the first is shown to the observers
+            if not first:
+                first.append(batch)
+
+        if isinstance(datamodule, RolloutDataModule):  # the data module's own evaluation, seeing its batches
+            total, count = datamodule.evaluate(on_batch=keep_first)
+        else:  # another data module: its sums only
             total, count = datamodule.evaluate()
         sums = trainer.strategy.reduce(torch.tensor([total, float(count)], device=pl_module.device), reduce_op="sum")
         if float(sums[1]) == 0:
             return  # no held-out prompts: nothing to report
         value = float(sums[0] / sums[1])
-        self._record(trainer, pl_module, step, value, first)
+        self._record(trainer, pl_module, step, value, first[0] if first else None)
         rank_zero_info(f"val/reward at step {step} ({when}): {value:.4f} on {int(sums[1])} held-out prompts")
 
     def _record(self, trainer: Trainer, pl_module: LightningModule, step: int, value: float,

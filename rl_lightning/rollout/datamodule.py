@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Any, Iterator, get_args
+from typing import Any, Callable, Iterator, get_args
 
 import torch
 from lightning.pytorch import LightningDataModule
@@ -347,11 +347,14 @@ class RolloutDataModule(LightningDataModule):
         self._injected.append(batch)
 
     @torch.no_grad()
-    def evaluate(self) -> tuple[float, int]:
-        """Greedy held-out evaluation outside Lightning's loop: ``(sum of rewards, count)`` on this rank."""
+    def evaluate(self, on_batch: Callable[[RolloutBatch], None] | None = None) -> tuple[float, int]:
+        """Greedy held-out evaluation outside Lightning's loop: ``(sum of rewards, count)`` on this rank;
+        ``on_batch`` sees each held-out ``RolloutBatch`` (the evaluation callback keeps the first for its observers)."""
         total, count = 0.0, 0
         for prompt_batch in self.val_prompt_batches():
             rollout = self.rollout(prompt_batch)
+            if on_batch is not None:
+                on_batch(rollout)
             total += float(rollout.rewards.sum())
             count += rollout.num_rows
         return total, count

@@ -25,7 +25,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from rl_lightning.algorithms import GRPO  # noqa: E402
-from rl_lightning.algorithms.distributed import full_state_dict  # noqa: E402
+from rl_lightning.models.sharding import full_state_dict  # noqa: E402
 from tests.conftest import tiny_datamodule  # noqa: E402
 from tests.helpers.ddp_run import GradedMatch  # noqa: E402
 
