@@ -30,6 +30,15 @@ class Prompt:
         digest = hashlib.blake2b(f"{self.text}\x00{self.answer}".encode(), digest_size=8).digest()
         return int.from_bytes(digest, "little") >> 1
 
+    def to_state(self) -> dict[str, Any]:
+        """The prompt as plain values (a checkpoint loads with ``weights_only=True`` when ``metadata`` is plain)."""
+        return {"text": self.text, "answer": self.answer, "metadata": dict(self.metadata)}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> Prompt:
+        """The prompt ``to_state`` returned."""
+        return cls(**state)
+
 
 class RewardFunction(ABC):
     """Scores one response. Subclass it and plug it in with ``class_path`` (``data.init_args.reward_fn``)."""

@@ -1,7 +1,7 @@
 """Data production: prompt streams, rollout engines and strategies, and the ``RolloutBatch`` container."""
 
-from rl_lightning.rollout.batch import PromptBatch, RolloutBatch
-from rl_lightning.rollout.branching import Branch, BranchRollout
+from rl_lightning.rollout.batch import EndState, PromptBatch, RolloutBatch
+from rl_lightning.rollout.branching import Branch, BranchRollout, BranchStore
 from rl_lightning.rollout.datamodule import RolloutDataModule
 from rl_lightning.rollout.encoding import PromptEncoder
 from rl_lightning.rollout.engine import EngineSession, RolloutEngine, SamplingParams, Turn, check_capabilities
@@ -15,6 +15,8 @@ from rl_lightning.rollout.sync import SamplerSync
 __all__ = [
     "Branch",
     "BranchRollout",
+    "BranchStore",
+    "EndState",
     "EngineSession",
     "EpisodeGeneration",
     "Generation",

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from rl_lightning.envs.base import Prompt
-from rl_lightning.rollout.batch import RolloutBatch
+from rl_lightning.rollout.batch import EndState, RolloutBatch
 from rl_lightning.rollout.engine import RolloutEngine
 from rl_lightning.rollout.sync import SamplerSync
 
@@ -114,12 +114,16 @@ class RolloutProducer:
     def _pack(batch: RolloutBatch) -> dict[str, Any]:
         """``batch`` as tensors and plain values only (a checkpoint loads with ``weights_only=True``)."""
         state = {f.name: getattr(batch, f.name) for f in fields(batch)}
-        state["prompts"] = [{"text": p.text, "answer": p.answer, "metadata": dict(p.metadata)} for p in batch.prompts]
+        state["prompts"] = [p.to_state() for p in batch.prompts]
+        if batch.end_states is not None:
+            state["end_states"] = [None if e is None else e.to_state() for e in batch.end_states]
         return {k: (v.to("cpu") if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
 
     @staticmethod
     def _unpack(state: dict[str, Any], device: torch.device | str) -> RolloutBatch:
-        values = dict(state, prompts=[Prompt(**p) for p in state["prompts"]])
+        values = dict(state, prompts=[Prompt.from_state(p) for p in state["prompts"]])
+        if values.get("end_states") is not None:
+            values["end_states"] = [None if e is None else EndState.from_state(e) for e in values["end_states"]]
         return RolloutBatch(**values).to(device)
 
     def state_dict(self, include_last_taken: bool = False) -> dict[str, Any]:

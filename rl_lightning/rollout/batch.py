@@ -40,12 +40,43 @@ class PromptBatch:
         return self  # nothing to move: generation happens after the transfer
 
 
+@dataclass(frozen=True)
+class EndState:
+    """Where an episode that was cut (not terminated) stopped: everything needed to continue it without replaying
+    it (``BranchRollout``'s ``Branch.from_rollout(batch, row)``).
+
+    Attributes:
+        env_state: the environment's ``snapshot()`` after the episode's last step.
+        prefix_ids: every id after the first observation up to the end: a branch's own prefix, the row's sampled and
+            observation ids, and the final observation that a limit kept out of the trajectory (``final_obs_ids``).
+        pending_ids: the ids of a turn the token budget cut before it ended (a suffix of ``prefix_ids``; not yet
+            seen by the environment), ``[]`` when the last turn ended.
+        turns: ``(action, observation)`` texts of the turns the environment saw, the final observation included.
+        final_obs_ids: the ids of the observation a limit left out of the trajectory (``[]``: none).
+    """
+
+    env_state: Any
+    prefix_ids: list[int]
+    pending_ids: list[int] = field(default_factory=list)
+    turns: list[tuple[str, str]] = field(default_factory=list)
+    final_obs_ids: list[int] = field(default_factory=list)
+
+    def to_state(self) -> dict[str, Any]:
+        """Plain values only (a checkpoint loads with ``weights_only=True`` if ``env_state`` is plain too)."""
+        return {"env_state": self.env_state, "prefix_ids": list(self.prefix_ids), "pending_ids": list(self.pending_ids),
+                "turns": [list(t) for t in self.turns], "final_obs_ids": list(self.final_obs_ids)}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> EndState:
+        return cls(**{**state, "turns": [tuple(t) for t in state["turns"]]})
+
+
 # Per-row tensors whose first dimension is N, moved and sliced together. Optional ones may be None.
 _ROW_TENSORS = (
     "input_ids", "attention_mask", "loss_mask", "sampler_logprobs", "rewards", "prompt_index", "truncated",
     "obs_mask", "ref_logprobs", "proximal_logprobs", "values", "returns", "topk_ids", "topk_logprobs", "aux_ids",
     "turn_index",
-    "num_turns", "turn_rewards", "prompt_id",
+    "num_turns", "turn_rewards", "prompt_id", "terminated",
 )
 
 
@@ -80,6 +111,13 @@ class RolloutBatch:
         num_turns: ``[N]`` model turns of each episode.
         turn_rewards: ``[N, K]`` the reward of each turn (NaN after the episode's last); ``rewards`` is their sum.
         prompt_id: ``[N]`` a stable id of each row's prompt (``Prompt.uid``: the same whenever it is drawn).
+        terminated: ``[N]`` bool, True where the environment ended the episode (its ``step`` returned
+            ``terminated``, or it raised under ``env_errors: fail_episode``): the return is complete and the end
+            state has value 0. False where the episode was *cut*: by ``max_turns``, a token budget, or the
+            environment's ``truncated`` (``truncated`` marks these too, and also a terminated episode whose last
+            turn had no EOS). Set by the built-in strategies; ``None`` from a batch made otherwise.
+        end_states: per row, an ``EndState`` where the episode was cut (``None`` where it terminated): the state a
+            ``Branch.from_rollout(batch, row)`` continues from; ``None`` (the field) when not recorded.
         env_errors: episodes ended because their environment raised (``GroupRollout(env_errors="fail_episode")``).
         extras: per-row tensors (first dimension ``N``) a method or callback attaches; they follow ``to`` and
             ``select`` like the fields above.
@@ -111,6 +149,8 @@ class RolloutBatch:
     num_turns: Tensor | None = None
     turn_rewards: Tensor | None = None
     prompt_id: Tensor | None = None
+    terminated: Tensor | None = None
+    end_states: list[EndState | None] | None = None
     env_errors: int = 0
     extras: dict[str, Tensor] = field(default_factory=dict)
     rollout_time: float = 0.0
@@ -124,6 +164,7 @@ class RolloutBatch:
             "prompt_index": (n,), "truncated": (n,), "obs_mask": (n, t), "ref_logprobs": (n, t),
             "proximal_logprobs": (n, t),
             "values": (n, t), "returns": (n, t), "turn_index": (n, t), "num_turns": (n,), "prompt_id": (n,),
+            "terminated": (n,),
         }
         for name, shape in expect.items():
             value = getattr(self, name)
@@ -138,6 +179,8 @@ class RolloutBatch:
         for name, value in self.extras.items():
             if value.shape[:1] != (n,):
                 raise ValueError(f"RolloutBatch.extras[{name!r}] has shape {tuple(value.shape)}, expected ({n}, ...)")
+        if self.end_states is not None and len(self.end_states) != n:
+            raise ValueError(f"RolloutBatch.end_states has {len(self.end_states)} entries, expected {n}")
         if self.group_size < 1 or n % self.group_size:
             raise ValueError(f"RolloutBatch: group_size={self.group_size} does not divide N={n}")
 
@@ -207,7 +250,13 @@ class RolloutBatch:
             extras={k: v[rows] for k, v in self.extras.items()},
             prompts=[self.prompts[i] for i in idx] if self.prompts else [],
             responses=[self.responses[i] for i in idx] if self.responses else [],
+            end_states=[self.end_states[i] for i in idx] if self.end_states is not None else None,
         )
+
+    @property
+    def cut(self) -> Tensor | None:
+        """``[N]`` bool: the episodes that did not terminate (``~terminated``; ``None`` when not recorded)."""
+        return None if self.terminated is None else ~self.terminated
 
 
 _FIELD_NAMES = frozenset(f.name for f in fields(RolloutBatch))

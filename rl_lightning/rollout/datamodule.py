@@ -27,6 +27,7 @@ from rl_lightning.envs.base import Prompt, RewardFunction, Task
 from rl_lightning.models.policy import DType
 from rl_lightning.rollout.async_producer import Produced, RolloutProducer
 from rl_lightning.rollout.batch import PromptBatch, RolloutBatch
+from rl_lightning.rollout.branching import Branch, BranchRollout
 from rl_lightning.rollout.encoding import PromptEncoder
 from rl_lightning.rollout.engine import AUX_DRAWS, TOPK, RolloutEngine, SamplingParams, check_capabilities
 from rl_lightning.rollout.engines import KVCacheEngine
@@ -145,6 +146,11 @@ class RolloutDataModule(LightningDataModule):
         self.seed = seed
         self.engine = engine if engine is not None else KVCacheEngine()
         self.strategy = strategy if strategy is not None else GroupRollout()
+        owned = self.strategy.group_size
+        if owned is not None and owned != group_size:
+            raise ValueError(f"RolloutDataModule: data.init_args.group_size={group_size} differs from "
+                             f"data.init_args.strategy.init_args.n={owned} ({type(self.strategy).__name__}'s rows per "
+                             "branch, the batch's group size); set them equal")
         self.prompt_sampler = prompt_sampler if prompt_sampler is not None else SequentialSampler()
         self.record_topk = record_topk
         self.record_aux_draws = record_aux_draws
@@ -345,6 +351,40 @@ class RolloutDataModule(LightningDataModule):
         The stream still advances by one step, so the step after it draws the prompts it would have drawn.
         """
         self._injected.append(batch)
+
+    @torch.no_grad()
+    def rollout_branches(self, branches: list[Branch], n: int = 1, seed: int | None = None,
+                         greedy: bool = False) -> RolloutBatch:
+        """One-off rollouts from ``branches`` outside the training stream -- completions, audits: ``n``
+        continuations of each (``BranchRollout.continue_from``: each branch's own horizon and token budget), with
+        the learner's current weights (``SamplerSync.current``, as held-out rollouts), the policy in eval mode and
+        no gradient. The strategy's turn settings are the training strategy's (``max_turns``, ``max_turn_tokens``,
+        ``max_episode_tokens``, ``stop_strings``, ``env_errors``); sampling is this module's ``temperature`` and
+        ``top_p`` (``greedy``: the argmax), seeded by ``seed`` (default: from the data seed, the rank and the
+        stream step), so the same call draws the same rows. The prompt stream does not move. A ``RolloutBatch``
+        of ``len(branches) * n`` rows (``group_size = n``), on the policy's device."""
+        if not branches:
+            raise ValueError("RolloutDataModule.rollout_branches: no branches")
+        policy, encoder = self._learner()
+        device = next(policy.parameters()).device
+        plan = self.strategy if isinstance(self.strategy, GroupRollout) else GroupRollout()
+        strategy = BranchRollout(n=n, max_turns=plan.max_turns, max_turn_tokens=plan.max_turn_tokens,
+                                 max_episode_tokens=plan.max_episode_tokens, stop_strings=plan.stop_strings,
+                                 env_errors=plan.env_errors, carry_cache=plan.carry_cache)
+        rank, _ = self._world()
+        seed = ((self.seed * 1_000_003 + rank) * 1_000_033 + self.cursor) * 7 + 5 if seed is None else seed
+        tok = encoder.tokenizer
+        params = SamplingParams(max_tokens=self.max_new_tokens, eos_token_id=tok.eos_token_id,
+                                pad_token_id=tok.pad_token_id, temperature=self.temperature, top_p=self.top_p,
+                                greedy=greedy, seed=None if greedy else seed)
+        engine = self.sync.current(policy, self._version())
+        ctx = RolloutContext(encoder, engine, self.task, self.reward_fn, params, n, self.seed, device)
+        was_training = policy.training
+        policy.eval()
+        try:
+            return strategy.continue_from(ctx, branches, step=seed)
+        finally:
+            policy.train(was_training)
 
     @torch.no_grad()
     def evaluate(self, on_batch: Callable[[RolloutBatch], None] | None = None) -> tuple[float, int]:

@@ -11,9 +11,14 @@ message). ``EpisodeGeneration`` lays them out as one response per row: ``loss_ma
 ``obs_mask`` 1 on observation ids, ``turn_index`` the turn of every sampled id (-1 elsewhere).
 
 An episode ends when the environment says so (terminated / truncated), after ``max_turns`` turns, or when its
-response would exceed ``max_episode_tokens`` (both limits mark it ``truncated``). A turn ends at EOS, at a stop
-string (``stop``: a callable on the turn's ids so far), or after ``params.max_tokens`` (an unfinished turn still
-goes to the environment, which decides what it means).
+response would exceed ``max_episode_tokens`` (both limits mark it ``truncated``; either may be given per row). A
+turn ends at EOS, at a stop string (``stop``: a callable on the turn's ids so far), or after ``params.max_tokens``
+(an unfinished turn still goes to the environment, which decides what it means; ``turn_used`` counts ids a row's
+first turn already holds against that limit). With ``hold_at_budget``, a turn that ``max_episode_tokens`` cuts
+before its own end is *not* sent to the environment: the episode ends cut with that turn's ids
+``EpisodeGeneration.pending`` (a continuation can finish the turn). The observation that a limit keeps out of the
+trajectory (an episode cut by ``max_turns`` or the token budget after its environment answered) is kept in
+``EpisodeGeneration.final_obs``, so a cut episode can be continued from its end without replaying it.
 
 On request (``topk``, ``aux_draws``) every sampled position also records the sampling distribution's top-k ids
 with their full-vocabulary log-probs and independent auxiliary draws (``generation.sampler_extras``), laid out
@@ -53,6 +58,8 @@ class EpisodeGeneration:
     truncated: Tensor  # [N] bool: the episode hit a limit (turns, tokens, or the last turn had no EOS)
     num_turns: Tensor  # [N] long
     segments: list[list[tuple[str, list[int]]]] = field(default_factory=list)  # per row: ("model"/"obs", ids)
+    final_obs: list[list[int]] = field(default_factory=list)  # per row: observation ids a limit left out ([]: none)
+    pending: list[list[int]] = field(default_factory=list)  # per row: a held unfinished turn's ids ([]: none)
     topk_ids: Tensor | None = None  # [N, T, k] on request, at sampled positions (0 elsewhere)
     topk_logprobs: Tensor | None = None  # [N, T, k]
     aux_ids: Tensor | None = None  # [N, T, K]
@@ -60,8 +67,9 @@ class EpisodeGeneration:
 
 def sample_episodes(
     engine: RolloutEngine | nn.Module, prompt_ids: list[list[int]], observe: Observe, *, params: SamplingParams,
-    max_turns: int, max_episode_tokens: int, stop: StopCheck | None = None, carry_cache: bool = True,
-    device: torch.device | str | None = None,
+    max_turns: int | list[int], max_episode_tokens: int | list[int], stop: StopCheck | None = None,
+    carry_cache: bool = True, device: torch.device | str | None = None, turn_used: list[int] | None = None,
+    hold_at_budget: bool = False,
 ) -> EpisodeGeneration:
     """Run ``len(prompt_ids)`` episodes turn by turn in a session of ``engine`` (see the module docstring).
 
@@ -69,38 +77,53 @@ def sample_episodes(
     called once per turn with the episodes whose turn just ended and the ids they sampled in it; it returns the
     observation ids for each (appended before their next turn) or ``None`` when the episode is over. The result is
     laid out on ``device`` (default: the engine's). A bare model for ``engine`` runs on ``KVCacheEngine``.
+    ``max_turns`` and ``max_episode_tokens`` are one limit for every row or a list with one per row; ``turn_used``
+    (per row, default 0) and ``hold_at_budget`` are described in the module docstring.
     """
     if isinstance(engine, nn.Module):
         engine = KVCacheEngine().bound(engine)
     device = engine.device if device is None else device
     session = engine.open_session(prompt_ids, params, carry_cache=carry_cache)
     n = len(prompt_ids)
+    turn_limit = max_turns if isinstance(max_turns, list) else [max_turns] * n
+    token_limit = max_episode_tokens if isinstance(max_episode_tokens, list) else [max_episode_tokens] * n
+    used = list(turn_used) if turn_used is not None else [0] * n  # ids already in each row's current turn
     segments: list[list[tuple[str, list[int]]]] = [[] for _ in range(n)]
     turn_logps: list[list[float]] = [[] for _ in range(n)]  # per row: log-probs of its sampled ids, in order
     turn_extras: list[list[TokenExtras]] = [[] for _ in range(n)]  # per sampled id, on request
+    final_obs: list[list[int]] = [[] for _ in range(n)]
+    pending: list[list[int]] = [[] for _ in range(n)]
     length = [0] * n  # response tokens so far (sampled + observed)
     running = list(range(n))
     truncated = [False] * n
     turns = [0] * n
-    for _ in range(max_turns):
+    for _ in range(max(turn_limit, default=0)):
         if not running:
             break
-        budgets = [min(params.max_tokens, max_episode_tokens - length[r]) for r in running]
+        own = [params.max_tokens - used[r] for r in running]  # the turn's own limit
+        budgets = [min(o, token_limit[r] - length[r]) for o, r in zip(own, running)]
         turn = session.turn(running, budgets, stop)
+        held = set()
         for i, r in enumerate(running):
             segments[r].append(("model", turn.ids[i]))
             turn_logps[r] += turn.logprobs[i]
             turn_extras[r] += turn.extras[i] if turn.extras is not None else []
             length[r] += len(turn.ids[i])
             turns[r] += 1
-        observations = observe(running, turn.ids)
+            used[r] = 0
+            if hold_at_budget and budgets[i] < own[i] and turn.finish_reasons[i] != "stop":
+                held.add(r)  # the episode's budget cut the turn: not the environment's to see
+                pending[r], truncated[r] = list(turn.ids[i]), True
+        observed = [(i, r) for i, r in enumerate(running) if r not in held]
+        observations = observe([r for _, r in observed], [turn.ids[i] for i, _ in observed]) if observed else []
         still, appended = [], []
-        for i, (r, obs) in enumerate(zip(running, observations)):
+        for (i, r), obs in zip(observed, observations):
             if obs is None:  # the environment ended it; cut if its last turn was (no EOS within the budget)
                 truncated[r] = turn.finish_reasons[i] != "stop"
                 continue
-            if turns[r] >= max_turns or length[r] + len(obs) >= max_episode_tokens:
+            if turns[r] >= turn_limit[r] or length[r] + len(obs) >= token_limit[r]:
                 truncated[r] = True  # a limit ends the episode before its next turn
+                final_obs[r] = list(obs)  # kept: the episode can be continued from here
                 continue
             segments[r].append(("obs", list(obs)))
             length[r] += len(obs)
@@ -110,6 +133,7 @@ def sample_episodes(
             session.append(still, appended)
         running = still
     gen = _assemble(segments, turn_logps, truncated, turns, params.pad_token_id, device)
+    gen.final_obs, gen.pending = final_obs, pending
     if params.topk or params.aux_draws:
         gen.topk_ids, gen.topk_logprobs, gen.aux_ids = _assemble_extras(turn_extras, gen.mask)
     return gen

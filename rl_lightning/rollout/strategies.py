@@ -25,7 +25,7 @@ from torch import Tensor
 
 from rl_lightning.envs.base import Prompt, RewardError, RewardFunction, Task
 from rl_lightning.envs.environment import EnvError, Environment, env_step
-from rl_lightning.rollout.batch import PromptBatch, RolloutBatch
+from rl_lightning.rollout.batch import EndState, PromptBatch, RolloutBatch
 from rl_lightning.rollout.encoding import PromptEncoder
 from rl_lightning.rollout.engine import SESSIONS, RolloutEngine, SamplingParams
 from rl_lightning.rollout.episodes import left_pad, sample_episodes
@@ -71,6 +71,11 @@ class RolloutStrategy(ABC):
         """The engine capabilities this strategy needs, each with the setting that asks for it."""
         return {}
 
+    @property
+    def group_size(self) -> int | None:
+        """Rows per group when the strategy decides it (``BranchRollout.n``); ``None``: the data module's."""
+        return None
+
 
 class _Episodes:
     """The environments of one batch of episodes and what they returned, turn by turn."""
@@ -83,6 +88,8 @@ class _Episodes:
         self.actions: list[list[str]] = [[] for _ in prompts]
         self.observations: list[list[str]] = [[] for _ in prompts]  # the texts appended after each turn
         self.env_truncated = [False] * len(prompts)
+        self.env_terminated = [False] * len(prompts)  # the environment ended it (or failed it)
+        self.final_ids: list[list[int]] = [[] for _ in prompts]  # the observation after an environment's truncation
         self.errors = 0
         self.pending: list[list[int]] = [[] for _ in prompts]  # ids of an unfinished turn a branch starts inside
 
@@ -97,9 +104,10 @@ class _Episodes:
                 raise
             self.errors += 1
             self.turn_rewards[row] = [0.0] * (len(self.turn_rewards[row]) + 1)  # it returns 0, whatever it earned
+            self.env_terminated[row] = True
             return "", True
         self.turn_rewards[row].append(reward)
-        self.env_truncated[row] = truncated
+        self.env_truncated[row], self.env_terminated[row] = truncated, terminated
         return obs, terminated or truncated
 
     def observation_ids(self, encoder: PromptEncoder, row: int, observation: str, closed: bool) -> list[int]:
@@ -109,7 +117,21 @@ class _Episodes:
         return ids
 
     def returns(self) -> list[float]:
-        return [sum(r) if r else float("nan") for r in self.turn_rewards]
+        return [float(sum(r)) if r else 0.0 for r in self.turn_rewards]  # a row whose only turn was held: 0
+
+    def end_fields(self, prefixes: list[list[int]], responses: list[list[int]], final_obs: list[list[int]],
+                   pending: list[list[int]], device: torch.device) -> dict[str, Any]:
+        """``terminated`` and ``end_states`` of the batch: an ``EndState`` for every cut episode (``prefixes``: what
+        preceded each row's response after its first observation; ``responses``: its real response ids)."""
+        states: list[EndState | None] = []
+        for row, env in enumerate(self.envs):
+            if self.env_terminated[row]:
+                states.append(None)
+                continue
+            final = list(final_obs[row] or self.final_ids[row])
+            states.append(EndState(env.snapshot(), list(prefixes[row]) + list(responses[row]) + final,
+                                   list(pending[row]), list(zip(self.actions[row], self.observations[row])), final))
+        return {"terminated": torch.tensor(self.env_terminated, dtype=torch.bool, device=device), "end_states": states}
 
 
 class GroupRollout(RolloutStrategy):
@@ -164,12 +186,14 @@ class GroupRollout(RolloutStrategy):
         if self.max_turns > 1:
             gen = self._episodes(ctx, rows, episodes, params)
             t1 = time.perf_counter()
-            responses = [tok.decode(ids, skip_special_tokens=False) for ids in self._response_lists(gen)]
+            lists = self._response_lists(gen)
+            responses = [tok.decode(ids, skip_special_tokens=False) for ids in lists]
             make = self._maker(ctx, prompt_ids, prompt_mask, gen, group, indices, prompts, responses, t1 - t0,
                                self._episode_fields(gen))
             batch_out = make(episodes.returns(), 0.0, episodes)
             return replace(batch_out, truncated=gen.truncated | torch.tensor(episodes.env_truncated,
-                                                                             device=gen.truncated.device))
+                                                                             device=gen.truncated.device),
+                           **episodes.end_fields([[]] * len(rows), lists, gen.final_obs, gen.pending, ctx.device))
         gen = _on(self._generate(ctx.engine, rows, group, params), ctx.device)
         t1 = time.perf_counter()
         lengths = gen.mask.sum(dim=1).tolist()
@@ -178,10 +202,13 @@ class GroupRollout(RolloutStrategy):
         fields: dict[str, Any] = {name: getattr(gen, name) for name in ("topk_ids", "topk_logprobs", "aux_ids")
                                   if getattr(gen, name, None) is not None}
         make = self._maker(ctx, prompt_ids, prompt_mask, gen, group, indices, prompts, responses, t1 - t0, fields)
-        over = []
+        over, final = [], [[] for _ in responses]
         try:
             for row, response in enumerate(responses):
-                over.append(episodes.step(row, response)[1])
+                observation, done = episodes.step(row, response)
+                over.append(done)
+                if not done:  # a multi-turn environment cut after one turn: keep its next observation
+                    final[row] = episodes.observation_ids(ctx.encoder, row, observation, not bool(gen.truncated[row]))
         except RewardError as err:  # keep the responses so the failure can be replayed (FailureDump)
             if train:
                 err.rollout_batch = make(episodes.returns(), time.perf_counter() - t1)  # type: ignore[attr-defined]
@@ -189,7 +216,9 @@ class GroupRollout(RolloutStrategy):
         batch_out = make(episodes.returns(), time.perf_counter() - t1, episodes)
         # as in sample_episodes: the environment truncated it, or the turn limit ends an episode that goes on
         cut = [truncated or not done for truncated, done in zip(episodes.env_truncated, over)]
-        return replace(batch_out, truncated=gen.truncated | torch.tensor(cut, device=gen.truncated.device))
+        ids = [row[:n] for row, n in zip(gen.response_ids.tolist(), lengths)]
+        return replace(batch_out, truncated=gen.truncated | torch.tensor(cut, device=gen.truncated.device),
+                       **episodes.end_fields([[]] * len(rows), ids, final, [[] for _ in rows], ctx.device))
 
     @staticmethod
     def _generate(engine: RolloutEngine, rows: list[list[int]], group: int, params: SamplingParams) -> Generation:
@@ -198,10 +227,15 @@ class GroupRollout(RolloutStrategy):
             return engine.generate(rows[::group], params, n=group)
         return engine.generate(rows, params)
 
-    def _episodes(self, ctx: RolloutContext, rows: list[list[int]], episodes: _Episodes, params: SamplingParams
-                  ) -> Any:
+    def episode_budget(self, params: SamplingParams) -> int:
+        """Sampled + observation tokens per episode (``max_episode_tokens``, or its default)."""
+        return self.max_episode_tokens or 2 * self.max_turns * params.max_tokens
+
+    def _episodes(self, ctx: RolloutContext, rows: list[list[int]], episodes: _Episodes, params: SamplingParams,
+                  turns: int | list[int] | None = None, budget: int | list[int] | None = None,
+                  turn_used: list[int] | None = None, hold_at_budget: bool = False) -> Any:
         tok = ctx.tokenizer
-        budget = self.max_episode_tokens or 2 * self.max_turns * params.max_tokens
+        budget = self.episode_budget(params) if budget is None else budget
 
         def observe(rows: list[int], actions: list[list[int]]) -> list[list[int] | None]:
             out: list[list[int] | None] = []
@@ -210,12 +244,16 @@ class GroupRollout(RolloutStrategy):
                 episodes.pending[row] = []
                 obs, over = episodes.step(row, text)
                 closed = bool(ids) and ids[-1] == tok.eos_token_id
+                if over and episodes.env_truncated[row] and not episodes.env_terminated[row]:
+                    episodes.final_ids[row] = episodes.observation_ids(ctx.encoder, row, obs, closed)  # continuable
                 out.append(None if over else episodes.observation_ids(ctx.encoder, row, obs, closed))
             return out
 
         stop = self._stop_check(tok) if self.stop_strings else None
-        return sample_episodes(ctx.engine, rows, observe, params=params, max_turns=self.max_turns,
-                               max_episode_tokens=budget, stop=stop, carry_cache=self.carry_cache, device=ctx.device)
+        return sample_episodes(ctx.engine, rows, observe, params=params,
+                               max_turns=self.max_turns if turns is None else turns, max_episode_tokens=budget,
+                               stop=stop, carry_cache=self.carry_cache, device=ctx.device, turn_used=turn_used,
+                               hold_at_budget=hold_at_budget)
 
     def _stop_check(self, tok: Any) -> Callable[[int, list[int]], bool]:
         def stop(row: int, ids: list[int]) -> bool:

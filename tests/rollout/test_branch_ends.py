@@ -1,0 +1,202 @@
+"""The end of a branch (issue 22, items 1, 2, 6, 7, 8): terminated versus cut per row, the final observation a
+limit keeps out of the trajectory, continuing any cut row without replaying it, per-branch horizons and token
+budgets, one-off rollouts through the data module, the strategy's group size, and replay stores that survive
+``weights_only`` checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rl_lightning.algorithms import GRPO
+from rl_lightning.envs import ArithmeticTask, GuessNumberTask, Prompt
+from rl_lightning.rollout import (
+    Branch, BranchRollout, BranchStore, GroupRollout, PromptBatch, RolloutDataModule,
+)
+from tests.rollout.rollout_helpers import fake_trainer
+
+
+def _bound(dm: RolloutDataModule, module: GRPO) -> RolloutDataModule:
+    dm.trainer = fake_trainer(module)
+    return dm
+
+
+def _real(batch, row: int) -> list[int]:
+    """The row's response ids: sampled and observation ids, no padding."""
+    keep = (batch.loss_mask[row] | batch.obs_mask[row]).bool()
+    return batch.response_ids[row][keep].tolist()
+
+
+@pytest.fixture(scope="module")
+def guess():
+    return GRPO(model_name_or_path="embedded:guess")
+
+
+def _heldout(module: GRPO, max_turns: int) -> tuple[RolloutDataModule, object]:
+    """Greedy held-out episodes of guess-the-number (31 secrets) cut at ``max_turns`` turns."""
+    dm = _bound(RolloutDataModule(task=GuessNumberTask(), prompts_per_step=1, group_size=1, max_new_tokens=3,
+                                  val_batch_size=31,
+                                  strategy=GroupRollout(max_turns=max_turns, max_episode_tokens=32)), module)
+    (prompts,) = dm.val_prompt_batches()
+    return dm, dm.rollout(prompts)
+
+
+def test_the_batch_says_terminated_or_cut_and_keeps_the_cut_episodes_final_observation(guess):
+    dm, batch = _heldout(guess, max_turns=2)
+    tok = guess.tokenizer
+    found = batch.rewards == 1
+    assert batch.terminated is not None and torch.equal(batch.cut, ~batch.terminated)
+    assert bool(found.any()) and bool((~batch.terminated).any())
+    # found within 2 guesses: the environment ended it; otherwise max_turns cut it with a guess budget left
+    assert torch.equal(batch.terminated, found)
+    for row in range(batch.num_rows):
+        end = batch.end_states[row]
+        if batch.terminated[row]:
+            assert end is None
+            continue
+        assert end.env_state["guesses"] and len(end.env_state["guesses"]) == 2  # the state after both guesses
+        # the environment's answer to the second guess ("hi:"/"lo:"/"bad:") is kept, not lost
+        assert end.final_obs_ids and tok.decode(end.final_obs_ids) == end.turns[-1][1]
+        assert end.turns[-1][1] in ("hi:", "lo:", "bad:") and len(end.turns) == 2
+        assert end.prefix_ids == _real(batch, row) + end.final_obs_ids and end.pending_ids == []
+    assert batch.select(torch.tensor([1, 0])).end_states == [batch.end_states[1], batch.end_states[0]]
+
+
+def test_a_cut_row_continued_from_its_end_state_is_the_uncut_episode(guess):
+    """2 greedy turns, then 3 more from each cut row's end state (no replay) = 5 greedy turns straight: the same
+    ids, returns and terminations."""
+    _, straight = _heldout(guess, max_turns=5)
+    dm, first = _heldout(guess, max_turns=2)
+    rows = [r for r in range(first.num_rows) if first.end_states[r] is not None
+            and len(first.end_states[r].prefix_ids) < 32]
+    assert len(rows) >= 10
+    branches = [Branch.from_rollout(first, r, max_turns=3, max_tokens=32 - len(first.end_states[r].prefix_ids))
+                for r in rows]
+    cursor = dm.cursor
+    rest = dm.rollout_branches(branches, n=1, greedy=True)
+    assert dm.cursor == cursor  # a one-off rollout does not move the stream
+    assert rest.num_rows == len(rows) and rest.group_size == 1
+    for k, r in enumerate(rows):
+        assert first.end_states[r].prefix_ids + _real(rest, k) == _real(straight, r)
+        assert float(first.rewards[r] + rest.rewards[k]) == float(straight.rewards[r])
+        assert bool(rest.terminated[k]) == bool(straight.terminated[r])
+        assert int(first.num_turns[r] + rest.num_turns[k]) == int(straight.num_turns[r])
+    with pytest.raises(ValueError, match="terminated"):
+        Branch.from_rollout(first, int(first.terminated.nonzero()[0]))
+
+
+def test_each_branch_has_its_own_horizon_and_token_budget():
+    torch.manual_seed(0)
+    module = GRPO(model_name_or_path="embedded:guess")
+    task = GuessNumberTask()
+    strategy = BranchRollout(n=4, max_turns=5, max_episode_tokens=32)
+    dm = _bound(RolloutDataModule(task=task, prompts_per_step=1, group_size=4, max_new_tokens=3,
+                                  temperature=1.5, strategy=strategy), module)
+    prompt = task.train_prompt(0)
+    strategy.set_branches([Branch(prompt, max_turns=1), Branch(prompt, max_turns=2), Branch(prompt, max_tokens=4)])
+    batch = dm.rollout(dm.prompt_batch(0))
+    assert (batch.num_turns[:4] == 1).all()  # horizon 1
+    assert (batch.num_turns[4:8] <= 2).all() and (batch.num_turns[4:8] == 2).any()  # horizon 2
+    assert (batch.num_turns[8:] > 2).any() or (batch.truncated[8:]).all()  # the third: its budget, not 5 turns
+    lengths = (batch.loss_mask | batch.obs_mask).sum(dim=1)
+    assert (lengths[8:] <= 4).all() and (lengths[:8] > 0).all()
+    assert strategy.max_turns == 5  # the strategy itself is untouched
+
+
+def test_a_completion_never_overruns_the_turn_and_a_chunk_is_held_from_the_environment():
+    """AC2's chunks on a single-turn task: a prefix of 3 pending ids leaves 3 of ``max_new_tokens = 6`` to the
+    completion; a token budget of 2 cuts the turn before EOS, and that chunk is not scored (reward 0, cut, its ids
+    pending) but continues to a completed, scored answer."""
+    torch.manual_seed(0)
+    module = GRPO(model_name_or_path="embedded:random")  # rarely emits EOS: turns run to their limit
+    tok = module.tokenizer
+    task = ArithmeticTask(num_heldout=4)
+    strategy = BranchRollout(n=4, max_turns=1)
+    scored: list[str] = []
+    dm = _bound(RolloutDataModule(task=task, prompts_per_step=1, group_size=4, max_new_tokens=6, strategy=strategy,
+                                  reward_fn=lambda prompt, response: scored.append(response) or 0.5), module)
+    prompt = task.train_prompt(0)
+    pending = tok("12", add_special_tokens=False)["input_ids"] + tok("3", add_special_tokens=False)["input_ids"]
+    strategy.set_branches([Branch(prompt, list(pending), pending_ids=list(pending)),
+                           Branch(prompt, list(pending), pending_ids=list(pending), max_tokens=2)])
+    batch = dm.rollout(dm.prompt_batch(0))
+    lengths = batch.loss_mask.sum(dim=1)
+    assert (lengths[:4] <= 3).all() and (lengths[4:] <= 2).all()
+    assert len(scored) == 4 + int((batch.terminated[4:]).sum())  # the held chunks were not scored
+    assert all(s.startswith("123") for s in scored)  # the environment sees the pending ids first
+    for row in range(4, 8):
+        if batch.terminated[row]:  # EOS within the chunk: a finished answer, scored
+            assert batch.rewards[row] == 0.5
+            continue
+        end = batch.end_states[row]
+        chunk = batch.response_ids[row][batch.loss_mask[row].bool()].tolist()
+        assert batch.rewards[row] == 0 and batch.truncated[row] and len(chunk) == 2
+        assert end.pending_ids == pending + chunk and end.prefix_ids == pending + chunk
+        rest = dm.rollout_branches([Branch.from_rollout(batch, row)], n=2, seed=3)
+        assert (rest.loss_mask.sum(dim=1) <= 1).all()  # 6 - 3 - 2: the turn's own limit still holds
+        assert rest.terminated.all() and (rest.rewards == 0.5).all()  # finished and scored
+    with pytest.raises(ValueError, match="no room in a turn of 6"):
+        dm.rollout_branches([Branch(prompt, [5] * 6, pending_ids=[5] * 6)])
+
+
+def test_one_off_rollouts_are_seeded_in_eval_mode_and_leave_the_policy_training():
+    torch.manual_seed(0)
+    module = GRPO(model_name_or_path="embedded:random")
+    modes: list[bool] = []
+    dm = _bound(RolloutDataModule(task=ArithmeticTask(num_heldout=4), prompts_per_step=1, group_size=4,
+                                  max_new_tokens=4, strategy=GroupRollout(),
+                                  reward_fn=lambda p, r: modes.append(module.policy.training) or 0.0), module)
+    module.policy.train()
+    branches = [Branch(ArithmeticTask(num_heldout=4).train_prompt(i)) for i in range(2)]
+    a, b = dm.rollout_branches(branches, n=3, seed=11), dm.rollout_branches(branches, n=3, seed=11)
+    c = dm.rollout_branches(branches, n=3, seed=12)
+    assert a.num_rows == 6 and a.group_size == 3
+    assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.sampler_logprobs, b.sampler_logprobs)
+    assert not torch.equal(a.input_ids, c.input_ids)
+    assert modes and not any(modes) and module.policy.training  # eval during, training again after
+    assert dm.cursor == 0
+
+
+def test_the_strategy_owns_the_group_size_and_branches_from_gets_the_steps_prompts():
+    with pytest.raises(ValueError, match=r"data.init_args.group_size=8 differs from "
+                                         r"data.init_args.strategy.init_args.n=4"):
+        RolloutDataModule(task=GuessNumberTask(), group_size=8, strategy=BranchRollout(n=4))
+    torch.manual_seed(0)
+    module = GRPO(model_name_or_path="embedded:random")
+    strategy = BranchRollout(n=2, max_turns=2)
+    dm = _bound(RolloutDataModule(task=GuessNumberTask(), prompts_per_step=2, group_size=2, max_new_tokens=3,
+                                  strategy=strategy), module)
+    seen: list[tuple[int, PromptBatch]] = []
+
+    def from_prompts(step: int, prompts: PromptBatch) -> list[Branch]:
+        seen.append((step, prompts))
+        return [Branch(p, prompt_index=i) for i, p in zip(prompts.indices, prompts.prompts)]
+
+    strategy.branches_from(from_prompts)
+    batch = dm.rollout(PromptBatch("train", 0, [], []))  # the loader's placeholder: the data module draws
+    ((step, prompts),) = seen
+    assert step == 0 and prompts.indices == dm.prompt_batch(0).indices == [0, 1]
+    assert batch.prompt_index.tolist() == [0, 0, 1, 1]
+    with pytest.raises(TypeError, match=r"\(step, prompts\)"):
+        strategy.branches_from(lambda step: [])
+
+
+def test_replay_stores_survive_weights_only_checkpoints(tmp_path, guess):
+    _, batch = _heldout(guess, max_turns=2)
+    cut = [r for r in range(batch.num_rows) if not batch.terminated[r]]
+    store = BranchStore(capacity=5)
+    store.add([Branch.from_rollout(batch, r, max_turns=3) for r in cut])
+    assert len(store) == 5 and store.items[0].prompt == batch.prompts[cut[-5]]  # the oldest went
+    prompts = [Prompt("7+8=", "15", {"uid": 3, "tags": ["a"]}), batch.prompts[0]]
+    torch.save({"store": store.state_dict(), "prompts": [p.to_state() for p in prompts]}, tmp_path / "s.ckpt")
+    loaded = torch.load(tmp_path / "s.ckpt", weights_only=True)
+    again = BranchStore()
+    again.load_state_dict(loaded["store"])
+    assert again.capacity == 5 and again.items == store.items
+    assert [Prompt.from_state(p) for p in loaded["prompts"]] == prompts
+    # and the batch's end states, as the asynchronous producer checkpoints a queued batch
+    from rl_lightning.rollout.async_producer import RolloutProducer
+
+    torch.save(RolloutProducer._pack(batch), tmp_path / "b.ckpt")
+    back = RolloutProducer._unpack(torch.load(tmp_path / "b.ckpt", weights_only=True), "cpu")
+    assert back.end_states == batch.end_states and torch.equal(back.terminated, batch.terminated)
