@@ -5,7 +5,9 @@ generated tokens of a ``RolloutBatch``, and of arbitrary token sequences.
   top-p), only the ``T + 1`` positions that predict response tokens projected to the vocabulary;
 * ``shared_prompt_forward`` -- the same outputs and gradient, running a prompt that several rows share once;
 * ``sequences_batch`` -- arbitrary ``(context, target)`` token lists as a batch ``policy_forward`` scores (a second
-  forward a loss may need: CoPE's forecasting, SPO's rescoring, a generative critic's value tokens).
+  forward a loss may need: CoPE's forecasting, SPO's rescoring);
+* ``candidate_logprobs`` -- next-token log-probs over a few candidate ids after each of many contexts, one forward
+  row per context (a generative critic's value tokens: ``[contexts, candidates]``, not one row per candidate).
 
 ``RLModule.forward_policy`` and ``RLModule.score_sequences`` call these with the module's settings.
 """
@@ -21,6 +23,7 @@ from torch import Tensor, nn
 from rl_lightning.functional import sampling_logprobs, sampling_logprobs_at
 from rl_lightning.models.policy import load_policy
 from rl_lightning.rollout.batch import RolloutBatch
+from rl_lightning.rollout.episodes import left_pad
 from rl_lightning.rollout.generation import (
     cache_argument, can_share_prompts, distinct_rows, expandable_cache, position_ids_from_mask, repeat_cache_rows,
     returned_cache, unshareable,
@@ -167,6 +170,24 @@ def sequences_batch(
         device=device), truncated=torch.zeros(n, dtype=torch.bool, device=device), temperature=temperature)
 
 
+def candidate_logprobs(model: nn.Module, contexts: list[list[int]], candidates: Tensor | list[int],
+                       pad_token_id: int, temperature: float = 1.0) -> Tensor:
+    """``[C, K]`` ``log π(candidate_k | context_c)`` at temperature ``temperature`` over the full vocabulary, with
+    the gradient: the ``C`` contexts left-padded into one forward (position ids from the mask) that projects only
+    each row's last position to the vocabulary -- one row per context whatever ``K``, where scoring each candidate
+    as a one-token target (``sequences_batch``) takes ``C x K`` rows. ``candidates``: ``[K]`` ids for every context,
+    or ``[C, K]`` per context. The same numbers as that path up to float32 rounding (other shapes)."""
+    if not contexts or any(not c for c in contexts):
+        raise ValueError("candidate_logprobs: every context needs at least one id")
+    device = next(model.parameters()).device
+    ids, mask = left_pad(contexts, pad_token_id, device)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=False,
+                   logits_to_keep=1).logits[:, -1].float()
+    chosen = torch.as_tensor(candidates, device=device).long()
+    chosen = chosen.expand(len(contexts), -1) if chosen.dim() == 1 else chosen
+    return torch.log_softmax(logits / temperature, dim=-1).gather(-1, chosen)
+
+
 @torch.no_grad()
 def with_proximal_logprobs(forward: Callable[[RolloutBatch], PolicyOutput], batch: RolloutBatch,
                            micro_batch_size: int | None) -> RolloutBatch:
@@ -201,6 +222,13 @@ class LearnerForward:
         batch = sequences_batch(contexts, targets, target_masks, self.tokenizer.pad_token_id, temperature,
                                 next(self.policy.parameters()).device)
         return self.forward_policy(batch, model, with_entropy=with_entropy), batch.loss_mask
+
+    def candidate_logprobs(self, contexts: list[list[int]], candidates: Tensor | list[int],
+                           model: nn.Module | None = None, temperature: float = 1.0) -> Tensor:
+        """``[C, K]`` next-token log-probs of ``candidates`` after each context, with gradient
+        (``forward.candidate_logprobs``: one forward row per context)."""
+        return candidate_logprobs(self.policy if model is None else model, contexts, candidates,
+                                  self.tokenizer.pad_token_id, temperature)
 
     def token_logprobs(self, batch: RolloutBatch, model: nn.Module | None = None,
                        with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
