@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from rl_lightning.algorithms import Advantages
+from lightning.pytorch import Callback
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from rl_lightning.algorithms import LossTerm, PolicyOutput
@@ -213,3 +214,77 @@ def test_prioritized_grpo_draws_the_prompts_it_fails_more_often(tmp_path):
         assert weight == pytest.approx(1.0 - module.success.get(prompt.uid, 0.0) + 0.01)
     with pytest.raises(ValueError, match="needs data.init_args.prompt_sampler"):
         module.check_datamodule(RolloutDataModule(task=ArithmeticTask(num_heldout=4)))
+
+
+class _Capture(Callback):
+    """Keeps each step's rollout batch and logged metrics."""
+
+    def __init__(self) -> None:
+        self.batches: list = []
+        self.metrics: list = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # noqa: ANN001
+        self.batches.append(batch)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # noqa: ANN001
+        self.metrics.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+
+
+def _value_rows_step(tmp_path, **kwargs):
+    from rl_lightning.algorithms import GRPO
+    from tests.conftest import tiny_datamodule, tiny_trainer
+    from tests.helpers.ddp_run import GradedMatch
+
+    value_rows = _example("value_rows")
+    torch.manual_seed(0)
+    cls = value_rows.ValueRowsGRPO if kwargs.pop("aux", True) else GRPO
+    module = cls(model_name_or_path="embedded:arithmetic", optimizer=lambda p: torch.optim.SGD(p, lr=1.0),
+                 max_grad_norm=None, **kwargs)
+    capture = _Capture()
+    tiny_trainer(tmp_path, max_steps=1, callbacks=[capture]).fit(
+        module, datamodule=tiny_datamodule(temperature=1.5, reward_fn=GradedMatch()))
+    return module, capture
+
+
+def test_auxiliary_rows_join_the_same_update_with_their_own_loss(tmp_path):
+    """One SGD(lr = 1) step of ``ValueRowsGRPO`` moves the weights by minus the gradient of GRPO's loss plus the
+    value-token term, the term computed here independently (``candidate_logprobs`` of the grid digit after each
+    group's prompt + query); the term is logged, included in ``train/loss``, and micro-batching leaves it as is."""
+    from rl_lightning.algorithms import GRPO, Advantages
+    from tests.tolerances import decoder_gradient_tolerance, decoder_logprob_bound, unit_roundoff
+
+    module, capture = _value_rows_step(tmp_path, value_coef=0.5)
+    (batch,), (logged,) = capture.batches, capture.metrics
+    torch.manual_seed(0)
+    fresh = GRPO(model_name_or_path="embedded:arithmetic")
+    start = {k: v.detach().clone() for k, v in fresh.policy.named_parameters()}
+    adv = Advantages(fresh.compute_advantages(batch).reshape(batch.num_rows, -1))
+    main, _ = fresh.policy_loss(batch, fresh.forward_policy(batch), adv, fresh.loss_weights(batch))
+    tok, g, p = fresh.tokenizer, batch.group_size, batch.prompt_length
+    query = tok(" V:", add_special_tokens=False)["input_ids"]
+    contexts = [batch.input_ids[k, :p][batch.attention_mask[k, :p].bool()].tolist() + query
+                for k in range(0, batch.num_rows, g)]
+    means = batch.rewards.view(-1, g).mean(dim=1).clamp(0, 1)
+    digits = torch.tensor([[tok(str(round(float(m) * 9)), add_special_tokens=False)["input_ids"][0]]
+                           for m in means])
+    value_term = 0.5 * -fresh.candidate_logprobs(contexts, digits).mean()  # token mean: one target per group
+    (main + value_term).backward()
+    config = fresh.policy.config
+    scale = max(float(q.grad.abs().max()) for q in fresh.policy.parameters())
+    atol = float(decoder_gradient_tolerance(config, config.max_position_embeddings,
+                                            20 * config.max_position_embeddings, scale))
+    for name, param in module.policy.named_parameters():
+        want = start[name] - dict(fresh.policy.named_parameters())[name].grad
+        torch.testing.assert_close(param.detach(), want, atol=atol, rtol=2 * unit_roundoff())
+    # the value rows really moved the weights: without them the step differs by far more than the tolerance
+    plain, _ = _value_rows_step(tmp_path, aux=False)
+    gap = max(float((a - b).detach().abs().max()) for a, b in zip(plain.policy.parameters(), module.policy.parameters()))
+    assert gap > 100 * atol
+    tol = 4 * decoder_logprob_bound(fresh.policy, 1.0, config.max_position_embeddings)
+    assert logged["train/value_token_loss"] == pytest.approx(float(value_term), abs=tol)
+    assert logged["train/loss"] == pytest.approx(logged["train/policy_loss"] + logged["train/value_token_loss"],
+                                                 abs=1e-6)
+    # split into micro-batches of one row (the value rows too): the same step
+    split, _ = _value_rows_step(tmp_path, value_coef=0.5, micro_batch_size=1)
+    for a, b in zip(split.policy.parameters(), module.policy.parameters()):
+        torch.testing.assert_close(a.detach(), b.detach(), atol=atol, rtol=2 * unit_roundoff())

@@ -1,6 +1,7 @@
 """One LightningModule per method; ``RLModule`` is the shared base."""
 
 from rl_lightning.algorithms.advantages import Advantages
+from rl_lightning.algorithms.auxiliary import AuxiliaryRows
 from rl_lightning.algorithms.base import NonFiniteLossError, RLModule
 from rl_lightning.algorithms.protocols import LossTerm
 from rl_lightning.algorithms.bpco import BPCO
@@ -24,7 +25,7 @@ from rl_lightning.algorithms.stable_reinforce import StableReinforce
 from rl_lightning.algorithms.trpo import TRPO
 
 __all__ = [
-    "Advantages", "BPCO", "CriticLearner", "HeldoutEvaluation", "Summed", "TokenMean", "CoPE", "EasyPPO", "FlashREINFORCE", "GRPO", "LVRL", "PPO", "REINFORCE", "RLOO", "SAO", "SPO",
+    "Advantages", "AuxiliaryRows", "BPCO", "CriticLearner", "HeldoutEvaluation", "Summed", "TokenMean", "CoPE", "EasyPPO", "FlashREINFORCE", "GRPO", "LVRL", "PPO", "REINFORCE", "RLOO", "SAO", "SPO",
     "ScoreCentering", "StableReinforce", "TRPO", "HeldoutObserver", "LossTerm", "NonFiniteLossError", "PolicyGradient",
     "PolicyOutput", "RLModule",
 ]

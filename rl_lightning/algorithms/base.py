@@ -22,7 +22,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from rl_lightning.algorithms.advantages import Advantages
-from rl_lightning.algorithms.checks import check_settings
+from rl_lightning.algorithms.auxiliary import AuxiliaryRows, auxiliary_plan, run_auxiliary
+from rl_lightning.algorithms.checks import NonFiniteLossError, check_finite, check_settings
 from rl_lightning.algorithms.distributed import Ranks, shard_module
 from rl_lightning.algorithms.evaluation import HeldoutEvaluation
 from rl_lightning.algorithms.forward import LearnerForward, PolicyOutput, with_proximal_logprobs
@@ -37,10 +38,6 @@ from rl_lightning.algorithms.planning import (
 from rl_lightning.functional import AggregationMode, aggregate
 from rl_lightning.models.policy import DType, load_policy
 from rl_lightning.rollout.batch import RolloutBatch
-
-class NonFiniteLossError(FloatingPointError):
-    """A loss or gradient was NaN/inf; raised before the optimiser step, so the weights stay finite."""
-
 
 class RLModule(LearnerForward, StepLogging, LightningModule):
     """Base of every algorithm: policy, optimiser, the step template and its hooks.
@@ -139,6 +136,11 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
         """Further ``(term, metrics)`` added to ``policy_loss`` in order (PPO's value loss, CoPE's forecasting)."""
         return []
 
+    def auxiliary_rows(self, batch: RolloutBatch, adv: Advantages) -> list[AuxiliaryRows] | None:
+        """Rows besides the rollout's, each set with its own loss, forwarded in the same optimiser steps and added to
+        the same loss and metrics (``auxiliary.py``: a critic's value-token rows). Default ``None``: none."""
+        return None
+
     def before_update(self, batch: RolloutBatch, adv: Advantages, weights: Tensor) -> dict[str, list[Tensor]]:
         """Work and metrics before the policy's optimiser steps (PPO's critic passes). Default: none."""
         return {}
@@ -199,6 +201,8 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
         optimizer, weights, terms = self.optimizers(), weights * self.num_minibatches, self._loss_terms()
         skipped = skipped_rows(self, batch, adv, terms) if self.skip_inert_rows else None
         plan = self._plan(batch, skipped)
+        aux = auxiliary_plan(self.auxiliary_rows(batch, adv), [step[1] for step in plan], self.num_minibatches,
+                             self.micro_batch_size, self.ranks.max if self.ranks.world_size > 1 else None)
         if self.needs_proximal_logprobs and len(plan) > 1:
             batch = with_proximal_logprobs(self.forward_policy, batch, self.micro_batch_size)
         forwarded = torch.zeros(batch.num_rows, dtype=torch.bool, device=batch.loss_mask.device)
@@ -221,6 +225,7 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
                 if loss.requires_grad:  # e.g. not while a callback has frozen every parameter
                     self.manual_backward(loss)
                 metrics.add_loss(loss, stats, mb.loss_mask.sum().float())
+            run_auxiliary(self, aux[done], metrics, iteration, index)
             metrics.add_summed(self.inert_row_metrics(batch, idle, weights) if bool(idle.any()) else {})
             metrics.end_optimizer_step()
             self._optimizer_step(optimizer, metrics, iteration, index, last=done == len(plan) - 1)
@@ -294,7 +299,4 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
         (optimizer.step if last else optimizer.optimizer.step)()  # only the last is Lightning's: global_step counts batches
 
     def _check_finite(self, value: Tensor, what: str, iteration: int, minibatch: int) -> None:
-        if not torch.isfinite(value).all():
-            raise NonFiniteLossError(
-                f"non-finite {what} ({value.item() if value.numel() == 1 else value}) at step {self.global_step} "
-                f"(iteration {iteration}, minibatch {minibatch}); the weights were not updated")
+        check_finite(value, what, self.global_step, iteration, minibatch)  # NonFiniteLossError

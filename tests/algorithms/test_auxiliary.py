@@ -1,0 +1,37 @@
+"""``auxiliary.auxiliary_plan``: which auxiliary rows each optimiser step forwards, with equal backward counts on
+every rank (a rank with fewer micro-batches repeats one of its rows with weight 0)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rl_lightning.algorithms import AuxiliaryRows
+from rl_lightning.algorithms.auxiliary import auxiliary_plan
+from rl_lightning.algorithms.forward import sequences_batch
+
+
+def _rows(n: int) -> AuxiliaryRows:
+    batch = sequences_batch([[1, 2]] * n, [[3]] * n, None, 0, 1.0, torch.device("cpu"))
+    return AuxiliaryRows(batch, batch.loss_mask.float() / n, lambda rows, out, w: (w.sum(), {}))
+
+
+def test_auxiliary_rows_follow_the_minibatches_and_micro_batches():
+    item = _rows(5)
+    plan = auxiliary_plan([item], [0, 1, 0, 1], num_minibatches=2, micro_batch_size=2, reduce_max=None)
+    rows = [[m[1].tolist() for m in step] for step in plan]
+    assert rows == [[[0, 1], [2]], [[3, 4]], [[0, 1], [2]], [[3, 4]]]  # one pass: every row once, by parts
+    assert all(scale == 2.0 for step in plan for *_, scale in step)  # x num_minibatches, as the rollout's weights
+    assert auxiliary_plan(None, [0, 1], 2, None, None) == [[], []]
+
+
+def test_a_rank_with_fewer_auxiliary_micro_batches_pads_with_zero_weight_repeats():
+    item = _rows(1)
+    plan = auxiliary_plan([item], [0], num_minibatches=1, micro_batch_size=1,
+                          reduce_max=lambda counts: counts + 2)  # another rank has 3 micro-batches
+    ((first, rows0, s0), *fill) = plan[0]
+    assert s0 == 1.0 and len(fill) == 2 and all(scale == 0.0 and rows.tolist() == [0] for _, rows, scale in fill)
+    with pytest.raises(ValueError, match="every rank must give at least one row"):
+        auxiliary_plan([], [0], 1, None, reduce_max=lambda counts: counts + 1)
+    with pytest.raises(ValueError, match="weights have shape"):
+        AuxiliaryRows(item.batch, torch.ones(3, 3), item.loss)
