@@ -193,7 +193,7 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
         if scheduler is not None:
             scheduler.step()
         metrics = {**step_metrics(stats, batch, time.perf_counter() - start), **self.rollout_metrics(batch)}
-        self.log_training_metrics(metrics, step=step, batch_size=batch.num_rows)
+        self.log_training_metrics(metrics, step=step, batch_size=batch.num_rows, tokens=batch.loss_mask.sum())
 
     def update(self, batch: RolloutBatch, adv: Advantages, weights: Tensor) -> dict[str, list[Tensor]]:
         """μ iterations x minibatches x micro-batches (``planning.plan_update``); the metrics of every step."""

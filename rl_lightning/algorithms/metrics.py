@@ -17,6 +17,8 @@ ranks depends on what the value is, so the value says it:
 
 from __future__ import annotations
 
+import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Union
 
@@ -155,38 +157,86 @@ def rollout_metrics(batch: Any) -> dict[str, Tensor]:
 
 def step_metrics(stats: dict[str, list[Tensor]], batch: Any, update_time: float) -> dict[str, Tensor]:
     """One value per name for the step's log: the mean of each of the update's lists, the rollout metrics and the
-    ``perf/...`` timings of the rollout, its reward and its update."""
+    ``perf/...`` timings of the rollout, its reward and its update (``perf/step_time`` and ``perf/tokens_per_sec``
+    come after the step's callbacks: ``StepLogging.on_train_batch_end``)."""
     metrics = {key: torch.stack([v.detach().float().reshape(()) for v in values]).mean()
                for key, values in stats.items()}
-    step_time = batch.rollout_time + batch.reward_time + update_time
-    return {**metrics, "perf/step_time": torch.tensor(step_time), "perf/rollout_time": torch.tensor(batch.rollout_time),
-            "perf/reward_time": torch.tensor(batch.reward_time), "perf/update_time": torch.tensor(update_time),
-            "perf/tokens_per_sec": batch.loss_mask.sum().float().cpu() / step_time}
+    return {**metrics, "perf/rollout_time": torch.tensor(batch.rollout_time),
+            "perf/reward_time": torch.tensor(batch.reward_time), "perf/update_time": torch.tensor(update_time)}
 
 
-def log_step(module: Any, metrics: dict[str, Tensor], step: int, batch_size: int) -> None:
+def log_step(module: Any, metrics: dict[str, Tensor], step: int, batch_size: int, bar: tuple[str, ...] = ()) -> None:
     """Average ``metrics`` over ranks (one all-reduce) and write them at ``step``, the rollout's index.
 
-    ``module.log_dict`` feeds the progress bar and the callbacks (``reward``: the bar's); the loggers get the
-    values at ``step`` explicitly, the x-axis of ``val/reward``. Lightning's own logging step (``logger=True``)
-    is not used: after a resume from a checkpoint written at the end of fit it runs one ahead (measured: a
-    resumed curve logged at 0, 1, 3), and setting it needs Lightning's private loop state.
+    ``module.log_dict`` feeds the progress bar and the callbacks (``reward``: the bar's, and the names in ``bar``);
+    the loggers get the values at ``step`` explicitly, the x-axis of ``val/reward``. Lightning's own logging step
+    (``logger=True``) is not used: after a resume from a checkpoint written at the end of fit it runs one ahead
+    (measured: a resumed curve logged at 0, 1, 3), and setting it needs Lightning's private loop state.
     """
     names = list(metrics)
     values = module.ranks.mean(torch.stack([metrics[k].detach().float().to(module.device).reshape(()) for k in names]))
     reduced = dict(zip(names, values))
-    module.log_dict(reduced, on_step=True, on_epoch=False, logger=False, batch_size=batch_size)
-    module.log("reward", reduced["train/reward"], prog_bar=True, logger=False, batch_size=batch_size)
+    for shown in (False, True):
+        part = {k: v for k, v in reduced.items() if (k in bar) == shown}
+        if part:
+            module.log_dict(part, on_step=True, on_epoch=False, logger=False, batch_size=batch_size, prog_bar=shown)
+    if "train/reward" in reduced:
+        module.log("reward", reduced["train/reward"], prog_bar=True, logger=False, batch_size=batch_size)
     if module.trainer.is_global_zero:
         scalars = {k: float(v) for k, v in reduced.items()}
         for logger in module.loggers:
             logger.log_metrics(scalars, step=step)
 
 
+# ``StepLogging.on_before_batch_transfer`` only starts the step's clock and returns the batch unchanged, while the
+# data module's ``on_after_batch_transfer`` makes the rollout: Lightning's note that the module's hook is the one used
+# says nothing a user needs to act on.
+warnings.filterwarnings("ignore", message=r"You have overridden `on_before_batch_transfer` in `LightningModule` but")
+
+
 class StepLogging:
-    """The step's log as ``RLModule`` methods: the learning rates each update was taken with, and the metrics."""
+    """The step's log as ``RLModule`` methods: the learning rates each update was taken with, the metrics, the
+    metrics callbacks add (``add_step_metrics``) and the step's wall clock.
+
+    ``perf/step_time`` is the wall clock of the whole step: from before its rollout (``on_before_batch_transfer``,
+    which Lightning calls before the data module's ``on_after_batch_transfer`` generates it) to after every
+    callback's ``on_train_batch_end`` (this module's ``on_train_batch_end`` runs last), so work callbacks do in the
+    step -- audits, extra rollouts, checkpoint writes -- counts. It and ``perf/tokens_per_sec`` are logged then,
+    with the callbacks' metrics, at the step's index.
+    """
 
     _step_learning_rates: dict[str, Tensor] | None = None  # noted at on_train_batch_start for the step's log
+    _step_started: float | None = None  # the step's start (before its rollout)
+    _step_pending: tuple[int, int, float, float] | None = None  # (step, rows, tokens, fallback start)
+    _step_extra: dict[str, Tensor] | None = None  # add_step_metrics of the running step
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Start the training step's clock (before the rollout, which runs after the transfer)."""
+        if getattr(batch, "split", None) == "train":
+            self._step_started, self._step_extra = time.perf_counter(), None
+        return batch
+
+    def add_step_metrics(self, metrics: dict[str, Any]) -> None:
+        """Add metrics of the running training step from outside the update -- a callback's (an audit's error),
+        from any hook of the step (``on_train_batch_start``, a loss term, ``on_train_batch_end``). They are logged
+        at the step's index after every callback's ``on_train_batch_end``, averaged over ranks (every rank must
+        add the same names in a step: the reduction is a collective), and shown in the progress bar. Document
+        their names in docs/metrics.md."""
+        extra = self._step_extra if self._step_extra is not None else {}
+        extra.update({k: torch.as_tensor(v, dtype=torch.float32).detach().reshape(()) for k, v in metrics.items()})
+        self._step_extra = extra
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """After every callback's ``on_train_batch_end``: ``perf/step_time``, ``perf/tokens_per_sec`` and the
+        metrics callbacks added (``add_step_metrics``), at the step's index."""
+        pending, extra, started = self._step_pending, self._step_extra or {}, self._step_started
+        self._step_pending, self._step_extra, self._step_started = None, None, None
+        if pending is None:
+            return
+        step, rows, tokens, fallback = pending
+        seconds = time.perf_counter() - (started if started is not None else fallback)
+        perf = {"perf/step_time": torch.tensor(seconds), "perf/tokens_per_sec": torch.tensor(tokens / seconds)}
+        log_step(self, {**perf, **dict(sorted(extra.items()))}, step, rows, bar=tuple(extra))
 
     def learning_rates(self) -> dict[str, Tensor]:
         """``metrics.learning_rates`` of the run's optimisers (``train/lr``, ``train/lr_<group>``)."""
@@ -196,7 +246,10 @@ class StepLogging:
         """Note the learning rates the coming update uses, so ``train/lr`` at step ``k`` is step ``k``'s rate."""
         self._step_learning_rates = self.learning_rates()
 
-    def log_training_metrics(self, metrics: dict[str, Tensor], step: int, batch_size: int) -> None:
-        """``metrics.log_step``: the step's metrics with its learning rates, averaged over ranks, at ``step``."""
+    def log_training_metrics(self, metrics: dict[str, Tensor], step: int, batch_size: int, tokens: Tensor) -> None:
+        """``metrics.log_step``: the step's metrics with its learning rates, averaged over ranks, at ``step``; its
+        ``tokens`` (generated) and timings are kept for ``perf/step_time`` at the step's end."""
         rates, self._step_learning_rates = self._step_learning_rates, None
         log_step(self, {**(self.learning_rates() if rates is None else rates), **metrics}, step, batch_size)
+        spent = sum(float(metrics.get(f"perf/{k}_time", 0.0)) for k in ("rollout", "reward", "update"))
+        self._step_pending = (step, batch_size, float(tokens), time.perf_counter() - spent)  # start if not clocked
