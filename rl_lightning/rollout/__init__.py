@@ -11,6 +11,7 @@ from rl_lightning.rollout.generation import Generation, position_ids_from_mask, 
 from rl_lightning.rollout.prompts import PromptSampler, SequentialSampler, WeightedSampler
 from rl_lightning.rollout.strategies import GroupRollout, RolloutContext, RolloutStrategy
 from rl_lightning.rollout.sync import SamplerSync
+from rl_lightning.rollout.vllm_engines import VLLMEngine, VLLMServerEngine
 
 __all__ = [
     "Branch",
@@ -36,6 +37,8 @@ __all__ = [
     "SamplingParams",
     "SequentialSampler",
     "Turn",
+    "VLLMEngine",
+    "VLLMServerEngine",
     "WeightedSampler",
     "check_capabilities",
     "position_ids_from_mask",

@@ -12,7 +12,7 @@ distribution), so the random stream does not depend on which rows are still runn
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -167,3 +167,50 @@ class ModuleSession(EngineSession):
             real[i, :len(c)] = 1
         with evaluating(self.model):
             decoder.feed(tokens, real)
+
+
+#: ``complete(histories, budgets, seeds)`` -> per row: (sampled ids, their log-probs, finish reason, extras or None)
+Complete = Callable[[list[list[int]], list[int], list[int | None]], list[tuple[list[int], list[float], str, list | None]]]
+
+
+class ResubmitSession(EngineSession):
+    """A session for an engine that samples whole requests (vLLM, a server): every turn re-submits each running
+    row's full history (prompt, turns, observations: exactly the ids of the conversation, never re-tokenised), and
+    the engine's prefix cache makes the shared history cheap.
+
+    ``complete`` samples one turn per history with its budget and seed; a turn's seed derives from
+    ``params.seed``, the row and the turn, so a session is reproducible. A ``stop`` check is applied to the turn's
+    ids afterwards: the turn is cut after the first id at which it says stop (the ids before it are the ones an
+    engine checking per id would have drawn; only the draws after it are wasted).
+    """
+
+    def __init__(self, complete: Complete, prompts: Sequence[Sequence[int]], params: SamplingParams) -> None:
+        self.complete, self.params = complete, params
+        self.history = [list(p) for p in prompts]
+        self.turns = [0] * len(self.history)
+
+    def _seed(self, row: int) -> int | None:
+        if self.params.seed is None:
+            return None
+        return ((self.params.seed * 1_000_003 + row) * 1_009 + self.turns[row]) % (2**63 - 1)
+
+    def turn(self, rows: list[int], budgets: list[int], stop: StopCheck | None = None) -> Turn:
+        results = self.complete([self.history[r] for r in rows], list(budgets), [self._seed(r) for r in rows])
+        ids, logps, reasons, extras = [], [], [], []
+        for r, (row_ids, row_logps, reason, row_extras) in zip(rows, results):
+            if stop is not None:
+                cut = next((k for k in range(1, len(row_ids) + 1) if stop(r, row_ids[:k])), None)
+                if cut is not None:
+                    row_ids, row_logps, reason = row_ids[:cut], row_logps[:cut], "stop"
+                    row_extras = None if row_extras is None else row_extras[:cut]
+            self.history[r] += row_ids
+            self.turns[r] += 1
+            ids.append(row_ids)
+            logps.append(row_logps)
+            reasons.append(reason)
+            extras.append(row_extras)
+        return Turn(ids, logps, reasons, extras if self.params.topk else None)
+
+    def append(self, rows: list[int], ids: list[list[int]]) -> None:
+        for r, obs in zip(rows, ids):
+            self.history[r] += list(obs)
