@@ -69,7 +69,7 @@ def test_the_page_shows_the_example_files_verbatim():
         if match:
             titled[match.group(1)] = content
     assert set(titled) == {"docs/examples/dr_grpo.py", "docs/examples/dr_grpo.yaml", "docs/examples/steering.py",
-                           "docs/examples/head_kl.py"}
+                           "docs/examples/head_kl.py", "docs/examples/value_rows.py", "docs/examples/branching.py"}
     for path, content in titled.items():
         assert content == (REPO / path).read_text(), f"docs/extending.md is out of date with {path}"
     assert len((EXAMPLES / "dr_grpo.py").read_text().splitlines()) < 60
@@ -288,3 +288,34 @@ def test_auxiliary_rows_join_the_same_update_with_their_own_loss(tmp_path):
     split, _ = _value_rows_step(tmp_path, value_coef=0.5, micro_batch_size=1)
     for a, b in zip(split.policy.parameters(), module.policy.parameters()):
         torch.testing.assert_close(a.detach(), b.detach(), atol=atol, rtol=2 * unit_roundoff())
+
+
+def test_the_branching_example_continues_from_stored_end_states(tmp_path):
+    from rl_lightning.envs import GuessNumberTask
+    from rl_lightning.rollout import BranchRollout, RolloutDataModule
+    from tests.conftest import tiny_trainer
+
+    branching = _example("branching")
+    module = branching.ReplayGRPO(model_name_or_path="embedded:guess", replay=2, horizon=2)
+    with pytest.raises(ValueError, match="needs data.init_args.strategy to be a BranchRollout"):
+        module.check_datamodule(RolloutDataModule(task=GuessNumberTask(), group_size=4))
+    dm = RolloutDataModule(task=GuessNumberTask(), prompts_per_step=2, group_size=4, max_new_tokens=3,
+                           strategy=BranchRollout(n=4, max_turns=5, max_episode_tokens=32))
+    capture = _Capture()
+    tiny_trainer(tmp_path, max_steps=3, callbacks=[capture]).fit(module, datamodule=dm)
+    first, second, _ = capture.batches
+    assert first.num_rows == 8 and second.num_rows == 16 and second.group_size == 4  # 2 fresh + 2 replayed
+    assert (first.num_turns <= 2).all()  # the horizon, not the strategy's 5 turns
+    tok, p = module.tokenizer, second.prompt_length
+    fresh = len(tok("guess 1-31:", add_special_tokens=False)["input_ids"]) + 1  # BOS + the first observation
+    context = second.attention_mask[:, :p].sum(dim=1)
+    assert (context[:8] == fresh).all() and (context[8:] > fresh).all()  # replayed rows carry their prefix
+    assert (context[8:] + (second.loss_mask | second.obs_mask).sum(dim=1)[8:] <= fresh + 32).all()  # the budget
+    stored = module.store.items[-1]
+    assert stored.max_turns == 2 and stored.env_state is not None and len(module.store) > 2
+    checkpoint: dict = {}
+    module.on_save_checkpoint(checkpoint)
+    torch.save(checkpoint, tmp_path / "c.ckpt")
+    again = branching.ReplayGRPO(model_name_or_path="embedded:guess")
+    again.on_load_checkpoint(torch.load(tmp_path / "c.ckpt", weights_only=True))
+    assert again.store.items == module.store.items
