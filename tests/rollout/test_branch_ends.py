@@ -200,3 +200,35 @@ def test_replay_stores_survive_weights_only_checkpoints(tmp_path, guess):
     torch.save(RolloutProducer._pack(batch), tmp_path / "b.ckpt")
     back = RolloutProducer._unpack(torch.load(tmp_path / "b.ckpt", weights_only=True), "cpu")
     assert back.end_states == batch.end_states and torch.equal(back.terminated, batch.terminated)
+
+
+def test_an_end_state_under_a_chat_template_continues_the_templates_rendering():
+    """One turn (the single-turn path) cut by ``max_turns`` in a three-turn environment, then two more from its end
+    state: the whole trajectory is the template's rendering of the whole conversation (the final observation,
+    "n1:", was kept and is rendered as the third message)."""
+    from tests.rollout.test_episodes import NUMBERED_TEMPLATE, CountdownTask
+
+    torch.manual_seed(0)
+    module = GRPO(model_name_or_path="embedded:arithmetic")
+    tok = module.tokenizer
+    tok.chat_template = NUMBERED_TEMPLATE
+    common = dict(task=CountdownTask(), prompts_per_step=1, group_size=2, max_new_tokens=4, use_chat_template=True)
+    dm = _bound(RolloutDataModule(**common, strategy=GroupRollout(max_turns=1, max_episode_tokens=80)), module)
+    first = dm.rollout(dm.prompt_batch(0))
+    assert not first.terminated.any() and first.truncated.all()  # the environment wanted more turns
+    end = first.end_states[0]
+    assert end.turns[0][1] == "n1:" and "3u:n1:|4a:" in tok.decode(end.final_obs_ids)
+    rest = dm.rollout_branches([Branch.from_rollout(first, 0, max_turns=2)], n=2, seed=1)
+    assert rest.terminated.all() and (rest.num_turns == 2).all()  # turns 2 and 3 end the environment's episode
+    for row in range(2):
+        context = rest.input_ids[row, : rest.prompt_length][rest.attention_mask[row, : rest.prompt_length].bool()]
+        trajectory = context.tolist() + _real(rest, row)
+        messages = [{"role": "user", "content": "go:"}, {"role": "assistant", "content": end.turns[0][0]},
+                    {"role": "user", "content": "n1:"}]
+        for turn in range(2):
+            ids = rest.response_ids[row][rest.turn_index[row] == turn].tolist()
+            messages.append({"role": "assistant", "content": tok.decode(ids, skip_special_tokens=True)})
+            if turn == 0:
+                messages.append({"role": "user", "content": "n2:"})
+        rendered = tok(tok.apply_chat_template(messages, tokenize=False), add_special_tokens=False)["input_ids"]
+        assert rendered[: len(trajectory)] == trajectory
