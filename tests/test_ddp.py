@@ -261,3 +261,32 @@ def test_spo_tracker_is_the_same_on_every_rank_and_holds_every_ranks_prompts(tmp
         for _ in range(visits):
             low, high = 0.875 * low + 1, 0.96 * high + 1
         assert low - 1e-9 <= alpha + beta <= high + 1e-9, (uid, visits, alpha + beta)
+
+
+def test_ddp_auxiliary_rows_pad_to_equal_backwards_and_join_the_one_process_gradient(tmp_path_factory):
+    """Rank 0 gives 1 auxiliary row, rank 1 three (micro-batches of one row): rank 0 repeats its row with weight 0
+    (no deadlock), and the averaged gradient is one process's gradient of both ranks' rollout rows plus the
+    auxiliary term over all four rows. A callback's ``add_step_metrics`` value is averaged over the ranks."""
+    from rl_lightning.algorithms import GRPO
+    from rl_lightning.models.policy import load_policy
+    from tests.helpers.ddp_run import AUX_COEF, AUX_ROWS
+
+    _, out = _ddp("grpo-aux", tmp_path_factory)
+    pad_id = load_policy("embedded:arithmetic")[1].pad_token_id
+    for step in range(STEPS):
+        ranks = [_step(out, step, rank) for rank in (0, 1)]
+        g0, g1 = ranks[0]["grads"], ranks[1]["grads"]
+        for name in g0:
+            assert torch.equal(g0[name], g1[name]), f"step {step}: ranks disagree on the gradient of {name}"
+        _, grads = _single_process_step(ranks[0]["state"], _concat([r["batch"] for r in ranks], pad_id),
+                                        "seq_mean_token_mean")
+        module = GRPO(model_name_or_path="embedded:arithmetic")
+        module.policy.load_state_dict(ranks[0]["state"])
+        rows = [row for rank in AUX_ROWS for row in rank]
+        logp = torch.cat([module.candidate_logprobs([c], [t]) for c, t in rows])  # one row at a time
+        (AUX_COEF * -logp.mean()).backward()
+        for n, p in module.named_parameters():
+            grads[n] = grads[n] + p.grad
+        _assert_grads_close(g0, grads, f"step {step} (auxiliary rows)")
+    for rank in (0, 1):
+        assert json.loads((out / f"rank_value{rank}.json").read_text()) == 0.5

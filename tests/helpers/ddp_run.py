@@ -1,6 +1,7 @@
 """Run a method for two steps under 2-process CPU DDP (gloo) and dump what each rank saw and ended with.
 
-Usage: python tests/helpers/ddp_run.py OUT_DIR [grpo|grpo-skip|ppo-separate|spo]  (plain ``ddp`` relaunches this script)
+Usage: python tests/helpers/ddp_run.py OUT_DIR [grpo|grpo-skip|grpo-aux|ppo-separate|spo]  (plain ``ddp`` relaunches
+this script)
 
 Per rank it writes ``rank{r}.json`` (prompts drawn, logged losses, final weights) and, for every step ``s``,
 ``step{s}_rank{r}.pt``: the rollout batch's tensors, the policy's weights before the update (rank 0 only)
@@ -8,7 +9,10 @@ and the DDP-averaged gradient that reached the optimiser. For ``grpo`` the loss 
 ``seq_mean_token_mean`` at step 0 and ``token_mean`` at step 1, and gradients are not clipped, so the test can
 recompute each step's gradient in one process holding both ranks' rows. ``grpo-skip`` is ``grpo`` (unclipped,
 the default aggregation) with ``micro_batch_size=2`` and every reward on rank 0 the same: rank 0 skips all its
-rows while rank 1 forwards some, so the ranks must still agree on the number of backward passes.
+rows while rank 1 forwards some, so the ranks must still agree on the number of backward passes. ``grpo-aux`` is
+``grpo-skip``'s setting with GRPO's rewards and ``AUX_ROWS[rank]`` auxiliary rows per rank (1 and 3, micro-batches of
+one row: the ranks pad to the same number of backward passes), and a callback that adds ``train/rank_value`` (the
+rank) with ``add_step_metrics``; ``rank{r}.json`` holds its logged value.
 """
 
 from __future__ import annotations
@@ -58,6 +62,43 @@ class ConstantOnRankZero(GradedMatch):
         if torch.distributed.is_initialized() and torch.distributed.get_rank() == 0:
             return 0.5
         return super().__call__(prompt, response)
+
+
+#: per rank, the ``(context, target)`` ids of the ``grpo-aux`` run's auxiliary rows; their loss is
+#: ``AUX_COEF · token_mean(-log π(target | context))`` over both ranks' rows
+AUX_ROWS = ([([1, 5, 6], [7])], [([1, 7], [6]), ([1, 8, 9], [8]), ([1, 5], [9])])
+AUX_COEF = 0.1
+
+
+class RankAux(GRPO):
+    """GRPO plus ``AUX_ROWS[rank]`` auxiliary rows with an NLL of their own (``grpo-aux``)."""
+
+    def auxiliary_rows(self, batch, adv):  # noqa: ANN001, ANN201
+        from rl_lightning.algorithms import AuxiliaryRows, Summed
+        from rl_lightning.algorithms.forward import sequences_batch
+        from rl_lightning.algorithms.planning import rollout_weights
+        from rl_lightning.functional import aggregate
+
+        mine = AUX_ROWS[self.trainer.global_rank]
+        rows = sequences_batch([c for c, _ in mine], [t for _, t in mine], None, self.tokenizer.pad_token_id, 1.0,
+                               self.device)
+        weights = rollout_weights(rows, "token_mean", self.ranks) * AUX_COEF
+
+        def loss(rows, out, w):  # noqa: ANN001, ANN202
+            term = aggregate(-out.logprobs, w)
+            return term, {"train/aux_nll": Summed(term.detach())}
+        return [AuxiliaryRows(rows, weights, loss)]
+
+
+class RankValue(Callback):
+    """Adds the rank as ``train/rank_value`` at the end of every step (logged as the mean over ranks: 0.5)."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        pl_module.add_step_metrics({"train/rank_value": float(trainer.global_rank)})
+
+    def on_train_end(self, trainer, pl_module) -> None:  # noqa: ANN001
+        out = Path(trainer.default_root_dir) / f"rank_value{trainer.global_rank}.json"
+        out.write_text(json.dumps(float(trainer.callback_metrics["train/rank_value"])))
 
 
 class Dump(Callback):
@@ -126,6 +167,11 @@ def main() -> None:
                       micro_batch_size=2)
         dump = Dump(out)
         data = tiny_datamodule(prompts_per_step=4, reward_fn=ConstantOnRankZero())
+    elif method == "grpo-aux":  # rank 0: 1 auxiliary micro-batch, rank 1: 3
+        module = RankAux(model_name_or_path="embedded:arithmetic", optimizer=optimizer, max_grad_norm=None,
+                         micro_batch_size=1)
+        dump = Dump(out)
+        data = tiny_datamodule(prompts_per_step=4, reward_fn=GradedMatch())
     elif method == "spo":  # a pool of 6 prompts, 4 per step: the ranks revisit each other's prompts
         module = SPO(model_name_or_path="embedded:arithmetic", optimizer=optimizer)
         dump = Dump(out)
@@ -137,7 +183,7 @@ def main() -> None:
     trainer = Trainer(
         accelerator="cpu", devices=2, strategy="ddp", max_steps=3 if method == "spo" else 2, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-        default_root_dir=str(out), callbacks=[dump],
+        default_root_dir=str(out), callbacks=[dump] + ([RankValue()] if method == "grpo-aux" else []),
     )
     trainer.fit(module, datamodule=data)
 
