@@ -354,17 +354,22 @@ class RolloutDataModule(LightningDataModule):
 
     @torch.no_grad()
     def rollout_branches(self, branches: list[Branch], n: int = 1, seed: int | None = None,
-                         greedy: bool = False) -> RolloutBatch:
+                         greedy: bool = False, sampler: bool = False) -> RolloutBatch:
         """One-off rollouts from ``branches`` outside the training stream -- completions, audits: ``n``
-        continuations of each (``BranchRollout.continue_from``: each branch's own horizon and token budget), with
-        the learner's current weights (``SamplerSync.current``, as held-out rollouts), the policy in eval mode and
-        no gradient. The strategy's turn settings are the training strategy's (``max_turns``, ``max_turn_tokens``,
+        continuations of each (``BranchRollout.continue_from``: each branch's own horizon and token budget), the
+        policy in eval mode, no gradient. The weights are the learner's current ones (``SamplerSync.current``, as
+        held-out rollouts: for an engine outside the process that loads them into it), or with ``sampler`` those
+        the last training rollout sampled with (a lagged or low-precision copy; not with ``async_queue``). The
+        strategy's turn settings are the training strategy's (``max_turns``, ``max_turn_tokens``,
         ``max_episode_tokens``, ``stop_strings``, ``env_errors``); sampling is this module's ``temperature`` and
         ``top_p`` (``greedy``: the argmax), seeded by ``seed`` (default: from the data seed, the rank and the
         stream step), so the same call draws the same rows. The prompt stream does not move. A ``RolloutBatch``
         of ``len(branches) * n`` rows (``group_size = n``), on the policy's device."""
         if not branches:
             raise ValueError("RolloutDataModule.rollout_branches: no branches")
+        if sampler and self.async_queue:
+            raise ValueError("RolloutDataModule.rollout_branches: sampler=True needs async_queue=0 (the producer's "
+                             "weights move on while the learner trains)")
         policy, encoder = self._learner()
         device = next(policy.parameters()).device
         plan = self.strategy if isinstance(self.strategy, GroupRollout) else GroupRollout()
@@ -377,7 +382,8 @@ class RolloutDataModule(LightningDataModule):
         params = SamplingParams(max_tokens=self.max_new_tokens, eos_token_id=tok.eos_token_id,
                                 pad_token_id=tok.pad_token_id, temperature=self.temperature, top_p=self.top_p,
                                 greedy=greedy, seed=None if greedy else seed)
-        engine = self.sync.current(policy, self._version())
+        engine = (self.sync.for_step(policy, max(self.cursor - 1, 0)) if sampler
+                  else self.sync.current(policy, self._version()))
         ctx = RolloutContext(encoder, engine, self.task, self.reward_fn, params, n, self.seed, device)
         was_training = policy.training
         policy.eval()

@@ -232,3 +232,24 @@ def test_an_end_state_under_a_chat_template_continues_the_templates_rendering():
                 messages.append({"role": "user", "content": "n2:"})
         rendered = tok(tok.apply_chat_template(messages, tokenize=False), add_special_tokens=False)["input_ids"]
         assert rendered[: len(trajectory)] == trajectory
+
+
+def test_one_off_rollouts_can_sample_with_the_lagged_sampler():
+    """``sampler=True``: the weights the training rollouts sample with (a copy refreshed every 4 steps), not the
+    learner's: after the learner moves, the same seeded call draws the same rows; the default follows the learner."""
+    torch.manual_seed(0)
+    module = GRPO(model_name_or_path="embedded:random")
+    dm = _bound(RolloutDataModule(task=ArithmeticTask(num_heldout=4), prompts_per_step=1, group_size=4,
+                                  max_new_tokens=6, sampler_sync_interval=4), module)
+    dm.rollout(dm.prompt_batch(0))  # step 0: the copy is made
+    branches = [Branch(ArithmeticTask(num_heldout=4).train_prompt(5))]
+    lagged, learner = dm.rollout_branches(branches, n=4, seed=2, sampler=True), dm.rollout_branches(branches, 4, 2)
+    assert torch.equal(lagged.input_ids, learner.input_ids)  # no update yet: the same weights
+    with torch.no_grad():
+        for p in module.policy.parameters():
+            p.add_(0.5 * torch.randn_like(p))
+    again = dm.rollout_branches(branches, n=4, seed=2, sampler=True)
+    assert torch.equal(again.input_ids, lagged.input_ids)
+    assert torch.equal(again.sampler_logprobs, lagged.sampler_logprobs)
+    moved = dm.rollout_branches(branches, n=4, seed=2)
+    assert not torch.equal(moved.sampler_logprobs, lagged.sampler_logprobs)
