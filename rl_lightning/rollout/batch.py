@@ -53,6 +53,8 @@ class EndState:
             seen by the environment), ``[]`` when the last turn ended.
         turns: ``(action, observation)`` texts of the turns the environment saw, the final observation included.
         final_obs_ids: the ids of the observation a limit left out of the trajectory (``[]``: none).
+        snapshot_error: why ``env_state`` is missing when the environment's ``snapshot()`` raised (``None``: it did
+            not); such a row cannot be continued.
     """
 
     env_state: Any
@@ -60,11 +62,13 @@ class EndState:
     pending_ids: list[int] = field(default_factory=list)
     turns: list[tuple[str, str]] = field(default_factory=list)
     final_obs_ids: list[int] = field(default_factory=list)
+    snapshot_error: str | None = None
 
     def to_state(self) -> dict[str, Any]:
         """Plain values only (a checkpoint loads with ``weights_only=True`` if ``env_state`` is plain too)."""
         return {"env_state": self.env_state, "prefix_ids": list(self.prefix_ids), "pending_ids": list(self.pending_ids),
-                "turns": [list(t) for t in self.turns], "final_obs_ids": list(self.final_obs_ids)}
+                "turns": [list(t) for t in self.turns], "final_obs_ids": list(self.final_obs_ids),
+                "snapshot_error": self.snapshot_error}
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> EndState:

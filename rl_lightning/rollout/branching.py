@@ -71,6 +71,9 @@ class Branch:
         if end is None:
             raise ValueError(f"Branch.from_rollout: row {row} terminated (its environment ended it); a terminal "
                              "state has nothing to continue")
+        if end.snapshot_error is not None:
+            raise ValueError(f"Branch.from_rollout: row {row}'s environment could not be snapshotted "
+                             f"({end.snapshot_error}); override Environment.snapshot/restore to continue it")
         return cls(batch.prompts[row], list(end.prefix_ids), end.env_state, list(end.pending_ids), list(end.turns),
                    int(batch.prompt_index[row]), max_turns, max_tokens)
 

@@ -129,8 +129,12 @@ class _Episodes:
                 states.append(None)
                 continue
             final = list(final_obs[row] or self.final_ids[row])
-            states.append(EndState(env.snapshot(), list(prefixes[row]) + list(responses[row]) + final,
-                                   list(pending[row]), list(zip(self.actions[row], self.observations[row])), final))
+            try:
+                state, error = env.snapshot(), None
+            except Exception as err:  # noqa: BLE001 -- an environment that cannot be copied can still be trained on
+                state, error = None, f"{type(err).__name__}: {err}"
+            states.append(EndState(state, list(prefixes[row]) + list(responses[row]) + final, list(pending[row]),
+                                   list(zip(self.actions[row], self.observations[row])), final, error))
         return {"terminated": torch.tensor(self.env_terminated, dtype=torch.bool, device=device), "end_states": states}
 
 

@@ -253,3 +253,24 @@ def test_one_off_rollouts_can_sample_with_the_lagged_sampler():
     assert torch.equal(again.sampler_logprobs, lagged.sampler_logprobs)
     moved = dm.rollout_branches(branches, n=4, seed=2)
     assert not torch.equal(moved.sampler_logprobs, lagged.sampler_logprobs)
+
+
+def test_an_environment_that_cannot_be_snapshotted_still_trains_and_says_why_it_cannot_be_continued():
+    from tests.rollout.test_episodes import CountdownEnv, CountdownTask
+
+    class Unsnappable(CountdownEnv):
+        def snapshot(self):  # noqa: ANN201
+            raise TypeError("cannot pickle '_thread.lock' object")
+
+    class Task(CountdownTask):
+        def make_env(self, prompt, reward_fn):  # noqa: ANN001, ANN201
+            return Unsnappable(3)
+
+    torch.manual_seed(0)
+    module = GRPO(model_name_or_path="embedded:random")
+    dm = _bound(RolloutDataModule(task=Task(), prompts_per_step=1, group_size=2, max_new_tokens=3,
+                                  strategy=GroupRollout(max_turns=2)), module)
+    batch = dm.rollout(dm.prompt_batch(0))
+    assert batch.cut.all() and batch.end_states[0].snapshot_error.startswith("TypeError: cannot pickle")
+    with pytest.raises(ValueError, match="could not be snapshotted"):
+        Branch.from_rollout(batch, 0)
