@@ -274,3 +274,32 @@ def test_an_environment_that_cannot_be_snapshotted_still_trains_and_says_why_it_
     assert batch.cut.all() and batch.end_states[0].snapshot_error.startswith("TypeError: cannot pickle")
     with pytest.raises(ValueError, match="could not be snapshotted"):
         Branch.from_rollout(batch, 0)
+
+
+def test_sample_episodes_keeps_the_cut_observation_and_takes_per_row_limits():
+    """``sample_episodes`` directly, on a bare model: rows with 1, 2 and 3 turns allowed (``max_turns`` per row), an
+    observer that always answers ``[7, 8]``: a row cut by its turn limit keeps that last answer in ``final_obs``
+    (not in the trajectory); with ``hold_at_budget`` a row whose token budget cuts its turn is not observed and keeps
+    the turn as ``pending``; ``turn_used`` shortens the first turn."""
+    from rl_lightning.rollout import SamplingParams, sample_episodes
+
+    torch.manual_seed(0)
+    module = GRPO(model_name_or_path="embedded:random")
+    tok = module.tokenizer
+    params = SamplingParams(max_tokens=3, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, seed=4)
+    observed: list[int] = []
+
+    def observe(rows, actions):  # noqa: ANN001, ANN202
+        observed.extend(rows)
+        return [[7, 8] for _ in rows]
+
+    gen = sample_episodes(module.policy, [[1, 5]] * 4, observe, params=params, max_turns=[1, 2, 3, 3],
+                          max_episode_tokens=[100, 100, 100, 2], turn_used=[0, 0, 2, 0], hold_at_budget=True)
+    assert gen.num_turns.tolist()[:3] == [1, 2, 3] and gen.truncated[:3].all()
+    assert gen.final_obs[:3] == [[7, 8]] * 3  # the answer after the last turn, kept out of the trajectory
+    assert ((gen.mask | gen.obs_mask).sum(dim=1)[:3] == gen.mask.sum(dim=1)[:3] + 2 * (gen.num_turns[:3] - 1)).all()
+    assert (gen.turn_index[2] == 0).sum() <= 1  # 3 tokens per turn, 2 of them already used (pending ids)
+    # row 3: a budget of 2 tokens cuts its first turn (3 tokens, no EOS from the random model): held, not observed
+    assert gen.pending[3] and len(gen.pending[3]) == 2 and 3 not in observed
+    assert gen.truncated[3] and gen.num_turns[3] == 1 and gen.final_obs[3] == []
+    assert gen.pending[:3] == [[], [], []]
