@@ -314,7 +314,7 @@ class VLLMServerEngine(_VLLMBase):
         tmp = root / f".weights_v{version}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        save_file({k: v.detach().to("cpu").contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"))
+        save_file(_unshared(state), str(tmp / "model.safetensors"))
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
         post_json(self.url + "/collective_rpc", {"method": "load_learner_weights",
@@ -351,6 +351,19 @@ class VLLMServerEngine(_VLLMBase):
             self._pool = None
         self.model_name = None
         self._remove_workdir()
+
+
+def _unshared(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """``state`` on the CPU with one name per storage (tied weights share one: safetensors refuses to write both;
+    vLLM ties the other name to it on load)."""
+    kept: dict[str, Tensor] = {}
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    for name, tensor in state.items():
+        key = (tensor.untyped_storage().data_ptr(), tuple(tensor.shape))
+        if key not in seen:
+            seen.add(key)
+            kept[name] = tensor.detach().to("cpu").contiguous()
+    return kept
 
 
 def _get_json(url: str, timeout: float = 30.0) -> dict:

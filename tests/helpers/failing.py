@@ -48,3 +48,14 @@ class SlowSteps(Callback):
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if trainer.global_step >= self.step:
             time.sleep(self.seconds)
+
+
+class RaiseAtStep(Callback):
+    """Raises ``RuntimeError`` at the start of step ``step`` (a crash in the middle of a run)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step >= self.step:
+            raise RuntimeError(f"RaiseAtStep: a crash at step {trainer.global_step}")

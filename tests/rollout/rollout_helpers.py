@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from types import SimpleNamespace
 
 import torch
@@ -152,3 +153,25 @@ def char_tokenizer_specials_last() -> PreTrainedTokenizerFast:
 def fake_trainer(module, global_rank: int = 0, world_size: int = 1) -> SimpleNamespace:
     """What ``RolloutDataModule`` reads from its trainer."""
     return SimpleNamespace(lightning_module=module, global_rank=global_rank, world_size=world_size)
+
+
+class VersionedTrainer:
+    """``fake_trainer`` whose ``global_step`` (the learner's version) the test sets through ``version[0]``."""
+
+    def __init__(self, base, version: list[int]) -> None:
+        self.__dict__.update(vars(base))
+        self.state = SimpleNamespace(fn="fit")  # a fit is running: checkpoints save the updates done
+        self._version = version
+
+    @property
+    def global_step(self) -> int:
+        return self._version[0]
+
+
+def wait_full(dm) -> None:
+    """Block until the asynchronous producer of ``dm`` has filled its queue."""
+    for _ in range(600):
+        if len(dm._producer.items) >= dm.async_queue:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the producer did not fill its queue")

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from rollout_helpers import fake_trainer, model_logprob_tolerance
+from rollout_helpers import VersionedTrainer as _Trainer, fake_trainer, model_logprob_tolerance, wait_full as _wait_full
 
 from rl_lightning.algorithms import GRPO
 from rl_lightning.envs import ArithmeticTask
@@ -22,27 +22,6 @@ def _dm(module, version: list[int], **kwargs) -> RolloutDataModule:
                            async_queue=3, **kwargs)
     dm.trainer = _Trainer(fake_trainer(module), version)
     return dm
-
-
-class _Trainer:
-    """``fake_trainer`` whose ``global_step`` (the learner's version) the test sets through ``version[0]``."""
-
-    def __init__(self, base, version: list[int]) -> None:
-        self.__dict__.update(vars(base))
-        self.state = SimpleNamespace(fn="fit")  # a fit is running: checkpoints save the updates done
-        self._version = version
-
-    @property
-    def global_step(self) -> int:
-        return self._version[0]
-
-
-def _wait_full(dm) -> None:
-    for _ in range(600):
-        if len(dm._producer.items) >= dm.async_queue:
-            return
-        time.sleep(0.05)
-    raise AssertionError("the producer did not fill its queue")
 
 
 def _take(dm, step: int):
