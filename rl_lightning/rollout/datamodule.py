@@ -388,7 +388,7 @@ class RolloutDataModule(LightningDataModule):
         was_training = policy.training
         policy.eval()
         try:
-            return strategy.continue_from(ctx, branches, step=seed)
+            return strategy.continue_from(ctx, branches, step=seed % 2**31)  # environment seeds stay small
         finally:
             policy.train(was_training)
 
