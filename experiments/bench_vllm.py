@@ -10,8 +10,9 @@ Needs ``.venv-vllm`` (``./install_vllm.sh``). For each model (the embedded defau
   ``--server``); generated tokens per second (EOS included, padding not);
 * **sync**: ``load_weights`` of the policy's full state dict into each vLLM engine (the colocated one's
   ``collective_rpc``; the server's safetensors write + ``/collective_rpc`` + ``/reset_prefix_cache``);
-* with ``--fits``: ``rl-lightning fit --config configs/grpo.yaml`` for 10 steps with the built-in engine and with
-  ``configs/presets/vllm.yaml``, and the median ``perf/step_time`` / ``perf/rollout_time`` of steps 2-9.
+* with ``--fits``: ``rl-lightning fit --config configs/grpo.yaml`` for 10 steps (and ``configs/grpo_smollm2.yaml``
+  for 4) with the built-in engine and with ``configs/presets/vllm.yaml``, and the median ``perf/step_time`` /
+  ``perf/rollout_time`` of the steps after the first.
 
 Prints one Markdown table per part. The machine is shared: compare the ratios within one run.
 """
@@ -91,18 +92,21 @@ def bench_model(name: str, repeats: int, server: bool) -> tuple[list[list[str]],
     return gen_rows, sync_rows
 
 
-def fit_times(preset: str | None) -> tuple[float, float]:
+def fit_times(config: str, preset: str | None, steps: int) -> tuple[float, float]:
+    """Median ``perf/step_time`` and ``perf/rollout_time`` of steps 1 .. steps-1 of ``rl-lightning fit --config
+    config [--config preset]`` (``steps`` steps, one held-out evaluation at the end only)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     with tempfile.TemporaryDirectory() as run:
-        args = [sys.executable, "-m", "rl_lightning", "fit", "--config", str(REPO / "configs" / "grpo.yaml"),
-                "--trainer.max_steps", "10", "--trainer.val_check_interval", "10"]
+        args = [sys.executable, "-m", "rl_lightning", "fit", "--config", str(REPO / config),
+                "--trainer.max_steps", str(steps), "--trainer.val_check_interval", str(steps),
+                "--trainer.logger.init_args.name", "bench"]
         if preset:
             args += ["--config", str(REPO / preset)]
         subprocess.run(args, cwd=run, env={**os.environ, "PYTHONPATH": str(REPO)}, check=True, capture_output=True)
-        acc = EventAccumulator(str(Path(run) / "runs" / "grpo" / "version_0"))
+        acc = EventAccumulator(str(Path(run) / "runs" / "bench" / "version_0"))
         acc.Reload()
-        med = lambda tag: statistics.median(e.value for e in acc.Scalars(tag) if 2 <= e.step <= 9)  # noqa: E731
+        med = lambda tag: statistics.median(e.value for e in acc.Scalars(tag) if 1 <= e.step < steps)  # noqa: E731
         return med("perf/step_time"), med("perf/rollout_time")
 
 
@@ -136,11 +140,14 @@ def main() -> None:
     table(["model", "engine", "load_weights (ms)"], sync_rows)
     if args.fits:
         rows = []
-        for label, preset in (("KVCacheEngine", None), ("VLLMEngine", "configs/presets/vllm.yaml")):
-            step, rollout = fit_times(preset)
-            rows.append(["embedded, configs/grpo.yaml", label, f"{step:.3f}", f"{rollout:.3f}"])
-        table(["run", "engine", "perf/step_time (s, median steps 2-9)", "perf/rollout_time (s)"], rows)
-
+        fits = [("embedded", "configs/grpo.yaml", 10)]
+        if "smollm2" in args.models and SMOLLM2.is_dir():
+            fits.append(("smollm2", "configs/grpo_smollm2.yaml", 4))
+        for name, config, steps in fits:
+            for label, preset in (("KVCacheEngine", None), ("VLLMEngine", "configs/presets/vllm.yaml")):
+                step, rollout = fit_times(config, preset, steps)
+                rows.append([f"{name}, `{config}`", label, f"{step:.2f}", f"{rollout:.2f}"])
+        table(["run", "engine", "perf/step_time (s, median after step 0)", "perf/rollout_time (s)"], rows)
 
 if __name__ == "__main__":
     main()

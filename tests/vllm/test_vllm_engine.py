@@ -207,3 +207,30 @@ def test_a_3_step_grpo_fit_through_vllm_learns_like_the_built_in_engine(tmp_path
     assert abs(float(ours.mean() - ref.mean())) <= 3 * spread  # ... by the same amount within seed noise
     bound = decoder_logprob_bound(load_policy("embedded:arithmetic")[0], 1.0, 16)
     assert all(d <= bound for r in vllm for d in r["train/sampler_logp_diff"].values())  # synced at every step
+
+
+def test_a_run_on_vllm_resumes_exactly(tmp_path):
+    """4 steps straight == 2 steps, a checkpoint, fresh objects (and a fresh vLLM), 2 more steps: the same rewards
+    and bit-identical weights (vLLM's draws depend only on the per-prompt seeds and the synced weights)."""
+    from lightning.pytorch import seed_everything
+
+    from tests.conftest import RecordRollouts, tiny_datamodule, tiny_trainer
+
+    def module() -> GRPO:
+        return GRPO(model_name_or_path="embedded:arithmetic", optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
+
+    seed_everything(0)
+    straight_rec, straight = RecordRollouts(), module()
+    tiny_trainer(tmp_path / "a", 4, callbacks=[straight_rec]).fit(straight, tiny_datamodule(engine=VLLMEngine()))
+    seed_everything(0)
+    first_rec, first = RecordRollouts(), module()
+    trainer = tiny_trainer(tmp_path / "b", 2, callbacks=[first_rec])
+    trainer.fit(first, tiny_datamodule(engine=VLLMEngine()))
+    trainer.save_checkpoint(tmp_path / "b" / "step2.ckpt")
+    second_rec, resumed = RecordRollouts(), module()
+    tiny_trainer(tmp_path / "c", 4, callbacks=[second_rec]).fit(
+        resumed, tiny_datamodule(engine=VLLMEngine()), ckpt_path=str(tmp_path / "b" / "step2.ckpt"))
+    for got, want in zip(first_rec.rewards + second_rec.rewards, straight_rec.rewards, strict=True):
+        assert torch.equal(got, want)
+    for (name, a), (_, b) in zip(straight.policy.state_dict().items(), resumed.policy.state_dict().items()):
+        assert torch.equal(a, b), name
