@@ -40,16 +40,22 @@ class AuxiliaryRows:
         loss: ``loss(rows, out, weights) -> (term, metrics)`` for a micro-batch of them; ``out`` is their
             ``forward_policy`` (``PolicyOutput``: log-probs of the target tokens, with gradient); report metrics
             under names of their own (``metrics.Summed`` for a share of the loss).
+        extra_ids: ``[n, T, J]`` ids at which the forward also scores each position (``out.extra_logprobs``, from
+            the same forward: a value-token grid, ``generative_critic.GenerativeCritic``); ``None``: none.
     """
 
     batch: RolloutBatch
     weights: Tensor
     loss: AuxiliaryLoss
+    extra_ids: Tensor | None = None
 
     def __post_init__(self) -> None:
         if tuple(self.weights.shape) != tuple(self.batch.loss_mask.shape):
             raise ValueError(f"AuxiliaryRows: weights have shape {tuple(self.weights.shape)}, the rows' loss_mask "
                              f"{tuple(self.batch.loss_mask.shape)}")
+        if self.extra_ids is not None and (self.extra_ids.dim() != 3 or self.extra_ids.shape[:2] != self.weights.shape):
+            raise ValueError(f"AuxiliaryRows: extra_ids have shape {tuple(self.extra_ids.shape)}, expected "
+                             f"{tuple(self.weights.shape)} + (J,)")
 
 
 #: one auxiliary micro-batch of an optimiser step: ``(rows set, row indices, weight scale)``
@@ -91,7 +97,7 @@ def run_auxiliary(module: Any, micros: list[AuxiliaryMicro], metrics: UpdateMetr
     added to the step's (``metrics.add_loss``)."""
     for item, rows, scale in micros:
         rows_batch, weights = item.batch.select(rows), item.weights[rows] * scale
-        out = module.forward_policy(rows_batch)
+        out = module.forward_policy(rows_batch, extra_ids=None if item.extra_ids is None else item.extra_ids[rows])
         loss, stats = item.loss(rows_batch, out, weights)
         module._check_finite(loss.detach(), "auxiliary loss", iteration, index)
         if loss.requires_grad:

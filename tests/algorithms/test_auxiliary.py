@@ -35,3 +35,20 @@ def test_a_rank_with_fewer_auxiliary_micro_batches_pads_with_zero_weight_repeats
         auxiliary_plan([], [0], 1, None, reduce_max=lambda counts: counts + 1)
     with pytest.raises(ValueError, match="weights have shape"):
         AuxiliaryRows(item.batch, torch.ones(3, 3), item.loss)
+
+
+def test_auxiliary_extra_ids_reach_the_forward_sliced_with_the_rows():
+    from types import SimpleNamespace
+
+    item = _rows(3)
+    ids = torch.arange(3).view(3, 1, 1).expand(3, 1, 2).clone()  # row r asks for ids (r, r)
+    seen = []
+    module = SimpleNamespace(forward_policy=lambda rows, extra_ids=None: seen.append(extra_ids) or SimpleNamespace(),
+                             _check_finite=lambda *a: None, manual_backward=lambda loss: None)
+    from rl_lightning.algorithms.auxiliary import run_auxiliary
+    from rl_lightning.algorithms.metrics import UpdateMetrics
+    with_ids = AuxiliaryRows(item.batch, item.weights, item.loss, extra_ids=ids)
+    run_auxiliary(module, [(with_ids, torch.tensor([2, 0]), 1.0)], UpdateMetrics(), 0, 0)
+    assert seen[0].tolist() == [[[2, 2]], [[0, 0]]]
+    with pytest.raises(ValueError, match="extra_ids have shape"):
+        AuxiliaryRows(item.batch, item.weights, item.loss, extra_ids=torch.zeros(3, 2, 1, dtype=torch.long))
