@@ -151,3 +151,27 @@ def test_resume_from_a_step_checkpoint_runs_that_steps_validation(tmp_path):
         module, datamodule=data, ckpt_path=str(tmp_path / "d" / "legacy.ckpt"))
     assert old.val == {2: straight.val[2], 4: straight.val[4]} and sum(held_out) == 1
     assert module.val_history == [(s, v) for s, v in heldout["history"]] + [(4, straight.val[4])]
+
+
+def test_resume_restores_a_lagged_sampler_whose_engine_cannot_give_its_weights_back(tmp_path):
+    """An external engine (vLLM) cannot return the weights it samples with (``weights()`` is ``None``): the sampler
+    sync keeps a copy of what it loaded, so the checkpoint of a lagged sampler still holds them."""
+    from tests.rollout.test_engine_interface import ListEngine
+
+    assert ListEngine().weights() is None
+    kwargs = dict(sampler_sync_interval=3)
+    straight_rec, straight = RecordRollouts(), _module()
+    tiny_trainer(tmp_path / "a", max_steps=4, callbacks=[straight_rec]).fit(
+        straight, datamodule=tiny_datamodule(engine=ListEngine(), **kwargs))
+    first = _module()
+    trainer = tiny_trainer(tmp_path / "b", max_steps=2)
+    trainer.fit(first, datamodule=tiny_datamodule(engine=ListEngine(), **kwargs))
+    trainer.save_checkpoint(tmp_path / "b" / "step2.ckpt")
+    resumed_rec, resumed = RecordRollouts(), _module()
+    tiny_trainer(tmp_path / "c", max_steps=4, callbacks=[resumed_rec]).fit(
+        resumed, datamodule=tiny_datamodule(engine=ListEngine(), **kwargs), ckpt_path=str(tmp_path / "b" / "step2.ckpt"))
+    # step 2 samples with the step-0 weights (stale), which only the checkpoint can have given the fresh engine
+    assert torch.equal(resumed_rec.rewards[0], straight_rec.rewards[2])
+    assert resumed_rec.metrics[0]["train/sampler_logp_diff"] == straight_rec.metrics[2]["train/sampler_logp_diff"]
+    for a, b in zip(straight.policy.parameters(), resumed.policy.parameters()):
+        assert torch.equal(a, b)

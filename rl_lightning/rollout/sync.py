@@ -59,6 +59,7 @@ class SamplerSync:
         self._views: dict[int, RolloutEngine] = {}  # in-process engines bound to a policy, by id(policy)
         self._pending: dict[str, Any] | None = None
         self._published: tuple[int, dict[str, Tensor]] | None = None
+        self._kept: dict[str, Tensor] | None = None  # a lagged sampler's weights, for an engine that cannot read them
         self._lock = threading.Lock()
 
     def _bindable(self, policy: nn.Module) -> bool:
@@ -79,13 +80,25 @@ class SamplerSync:
             self._views = {id(policy): self.engine.bound(policy)}
         return self._views[id(policy)]
 
+    def _keep(self, weights: Mapping[str, Tensor]) -> None:
+        """Keep a CPU copy of the weights a lagged sampler now holds when its engine cannot give them back
+        (``weights()`` is ``None``: vLLM), so a checkpoint still has them and a resumed run samples as the straight
+        one. Nothing is copied at ``interval == 1`` (the sampler's weights are then the learner's)."""
+        if self.interval > 1 and not self.asynchronous and self.engine.weights() is None:
+            self._kept = {k: v.detach().to("cpu", copy=True) for k, v in weights.items()}
+
+    def _load(self, weights: Mapping[str, Tensor], version: int) -> None:
+        self.engine.load_weights(weights, version)
+        self._keep(weights)
+
     def start(self, policy: nn.Module, version: int) -> RolloutEngine:
         """Set up the engine's own weights from ``policy`` (once; a resumed run's saved ones replace them)."""
         if not self.ready:
             self.engine.setup(unsharded_copy(policy) if _sharded(policy) else policy, self.dtype, version)
             self.ready, self.synced_at = True, version
+            self._keep(_weights(policy))
             if self._pending is not None:
-                self.engine.load_weights(self._pending["sampler"], self._pending["sampler_synced_at"])
+                self._load(self._pending["sampler"], self._pending["sampler_synced_at"])
                 self.synced_at, self._pending = self._pending["sampler_synced_at"], None
         return self.engine
 
@@ -95,7 +108,7 @@ class SamplerSync:
             return self._view(policy)
         engine = self.start(policy, step)
         if step - self.synced_at >= self.interval:
-            engine.load_weights(_weights(policy), step)
+            self._load(_weights(policy), step)
             self.synced_at = step
         return engine
 
@@ -105,7 +118,7 @@ class SamplerSync:
             return self._view(policy)
         engine = self.start(policy, version)
         if engine.version != version:
-            engine.load_weights(_weights(policy), version)
+            self._load(_weights(policy), version)
             self.synced_at = version
         return engine
 
@@ -131,13 +144,13 @@ class SamplerSync:
     def state_dict(self) -> dict[str, Any]:
         """The lagged sampler's weights and sync step (nothing when it samples with the policy or asynchronously:
         those weights are the learner's)."""
-        weights = self.engine.weights() if self.ready and not self.asynchronous else None
+        weights = (self.engine.weights() or self._kept) if self.ready and not self.asynchronous else None
         if weights is None:
             return {}
         return {"sampler": {k: v.detach().cpu() for k, v in weights.items()}, "sampler_synced_at": self.synced_at}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Sample with the saved weights from the next training rollout on (applied when the engine is set up)."""
-        self.ready, self._published, self._views = False, None, {}
+        self.ready, self._published, self._views, self._kept = False, None, {}, None
         self._pending = dict(state) if "sampler" in state else None
 
