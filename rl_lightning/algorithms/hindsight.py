@@ -26,7 +26,8 @@ import torch
 from torch import Tensor, nn
 
 from rl_lightning.algorithms.forward import sequences_batch
-from rl_lightning.functional import interpolated_values
+from rl_lightning.algorithms.generative_critic import value_token_ids
+from rl_lightning.functional import interpolated_values, value_from_grid
 from rl_lightning.models.policy import load_policy
 from rl_lightning.rollout.batch import RolloutBatch
 from rl_lightning.rollout.engine import SamplingParams
@@ -136,11 +137,7 @@ class ValueTokenCritic(FrozenJudge):
         self.query, self.value_tokens, self.batch_size = query, tuple(value_tokens), batch_size
 
     def grid_ids(self, tokenizer: Any) -> list[int]:
-        ids = [self.encode(tokenizer, token) for token in self.value_tokens]
-        bad = [t for t, i in zip(self.value_tokens, ids) if len(i) != 1 or i[0] == tokenizer.unk_token_id]
-        if bad:
-            raise ValueError(f"ValueTokenCritic: value_tokens {bad} are not single tokens of the judge's tokenizer")
-        return [i[0] for i in ids]
+        return value_token_ids(tokenizer, self.value_tokens, "ValueTokenCritic")
 
     @torch.no_grad()
     def values(self, module: Any, batch: RolloutBatch, turn_index: Tensor, turn_mask: Tensor,
@@ -181,7 +178,7 @@ class ValueTokenCritic(FrozenJudge):
         out = module.forward_policy(scored, model=model, extra_ids=ids)
         after = torch.tensor([len(q) for *_, q in chunk], device=grid.device)  # the dummy's column
         logp = out.extra_logprobs[torch.arange(len(chunk), device=grid.device), after].float()  # [n, J]
-        return torch.softmax(logp, dim=-1) @ levels  # E[v] over the grid
+        return value_from_grid(logp, levels)  # E[v] over the grid
 
 
 #: ``PromptedCritic``'s default instructions (fields: ``trajectory``, ``actions``, ``outcome``, ``group_mean``,

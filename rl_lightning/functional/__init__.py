@@ -69,6 +69,15 @@ from rl_lightning.functional.tracker import (
     tracker_sampling_weights,
     tracker_value,
 )
+from rl_lightning.functional.value_tokens import (
+    accuracy_advantages,
+    branch_mean_targets,
+    macro_step_returns,
+    nearest_bin,
+    value_from_grid,
+    value_levels,
+    value_token_ce,
+)
 from rl_lightning.functional.trpo import (
     categorical_kl,
     conjugate_gradient,
@@ -79,6 +88,13 @@ from rl_lightning.functional.trpo import (
 )
 
 __all__ = [
+    "accuracy_advantages",
+    "branch_mean_targets",
+    "macro_step_returns",
+    "nearest_bin",
+    "value_from_grid",
+    "value_levels",
+    "value_token_ce",
     "anchored_credit",
     "group_step_normalized",
     "group_step_std",

@@ -1,0 +1,154 @@
+"""The generative critic: the policy's own weights, given a critic instruction and an episode's history, emit one
+token of a fixed value grid (spec 000, "Changing what critics do": TEMPO's generative critic, AC2's value token;
+NOTES §10, §11). TEMPO and AC2 share it; it holds no parameters of its own.
+
+* the context is ``instruction + history + privileged + query`` (ids): ``history`` the episode so far (its first
+  observation, actions and observations), ``privileged`` optional text only the critic sees (``str.format`` over
+  the prompt's ``answer`` and ``metadata``, e.g. ``" s={secret}"``); a history too long for the model's positions
+  keeps its last ids;
+* its value is ``V = Σ_k p_k v_k`` over the grid (``functional.value_from_grid``): one forward row per context
+  through ``RLModule.candidate_logprobs``, the distribution restricted to the ``K`` grid ids (default 11 letters
+  ``a``..``k`` for ``v_k`` evenly spaced on ``value_range``);
+* it learns on auxiliary rows (``RLModule.auxiliary_rows``), merged into the policy's update: ``ce_rows``, the
+  cross-entropy to the target's nearest bin (``functional.nearest_bin``, ``value_token_ce``: AC2), or
+  ``accuracy_rows``, TEMPO's GRPO on sampled value tokens rewarded by ``-|V̂ - y| / (R_max - R_min)`` centred
+  within each state's group (``functional.accuracy_advantages``);
+* a method calls it at segment boundaries only (``values`` counts the contexts it valued in ``calls``).
+
+Not implemented yet: the spec's "reason over history" for real models -- a short generated reasoning before the
+value token. Today the value token follows the query directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rl_lightning.algorithms.auxiliary import AuxiliaryRows
+from rl_lightning.algorithms.forward import sequences_batch
+from rl_lightning.algorithms.metrics import Summed
+from rl_lightning.algorithms.planning import rollout_weights
+from rl_lightning.envs.base import Prompt
+from rl_lightning.functional import (
+    accuracy_advantages, aggregate, clipped_surrogate, nearest_bin, value_from_grid, value_levels, value_token_ce,
+)
+
+#: ``RolloutBatch.extras`` keys of the critic's auxiliary rows
+BIN, ADVANTAGE = "value_bin", "critic_advantage"
+
+
+def value_token_ids(tokenizer: Any, tokens: tuple[str, ...], owner: str) -> list[int]:
+    """The id of each value token; refuses, naming ``value_tokens``, tokens that are not exactly one known id of
+    ``tokenizer`` or that share an id."""
+    ids = [list(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in tokens]
+    bad = [t for t, i in zip(tokens, ids) if len(i) != 1 or i[0] == tokenizer.unk_token_id]
+    if bad:
+        raise ValueError(f"{owner}: value_tokens {bad} are not single tokens of the tokenizer")
+    flat = [i[0] for i in ids]
+    if len(set(flat)) != len(flat):
+        raise ValueError(f"{owner}: value_tokens {list(tokens)} do not encode to distinct ids ({flat})")
+    return flat
+
+
+class GenerativeCritic:
+    """A value-token critic on the policy's weights (see the module docstring).
+
+    Args:
+        value_tokens: the grid, lowest value first; each exactly one token of the policy's tokenizer.
+        value_range: ``[R_min, R_max]``, spanned evenly by the grid.
+        query: text after the history (and the privileged text), right before the value token.
+        instruction: text before the history (a real model's critic instruction; ``""`` on the embedded models,
+            whose 64 positions the history needs).
+        privileged: text in the critic's context only, ``str.format`` over the prompt's ``answer`` and ``metadata``
+            (``None``: none).
+    """
+
+    def __init__(self, value_tokens: tuple[str, ...] = tuple("abcdefghijk"),
+                 value_range: tuple[float, float] = (0.0, 1.0), query: str = " V:", instruction: str = "",
+                 privileged: str | None = None) -> None:
+        if len(value_tokens) < 2 or len(value_range) != 2 or not value_range[0] < value_range[1]:
+            raise ValueError(f"GenerativeCritic: needs >= 2 value_tokens and value_range [R_min, R_max] with "
+                             f"R_min < R_max, got {list(value_tokens)}, {list(value_range)}")
+        self.value_tokens, self.value_range = tuple(value_tokens), (float(value_range[0]), float(value_range[1]))
+        self.query, self.instruction, self.privileged = query, instruction, privileged
+        self.calls = 0  # contexts valued by ``values``
+
+    def grid_ids(self, tokenizer: Any) -> list[int]:
+        return value_token_ids(tokenizer, self.value_tokens, "GenerativeCritic")
+
+    def levels(self, device: torch.device | str | None = None) -> Tensor:
+        """``[K]`` the grid's values."""
+        return value_levels(*self.value_range, len(self.value_tokens), device)
+
+    def context(self, module: Any, history: list[int], prompt: Prompt | None = None) -> list[int]:
+        """``instruction + history + privileged + query`` ids, the history cut from the left to leave one position
+        (the value token) within the policy's ``max_position_embeddings``."""
+        tok = module.tokenizer
+        encode = lambda text: list(tok(text, add_special_tokens=False)["input_ids"]) if text else []  # noqa: E731
+        extra = self.privileged.format(answer=prompt.answer, **prompt.metadata) if self.privileged and prompt else ""
+        head, tail = encode(self.instruction), encode(extra) + encode(self.query)
+        limit = getattr(getattr(module.policy, "config", None), "max_position_embeddings", None)
+        room = len(history) if limit is None else max(limit - 1 - len(head) - len(tail), 1)
+        return head + list(history)[-room:] + tail
+
+    def logprobs(self, module: Any, contexts: list[list[int]]) -> Tensor:
+        """``[C, K]`` next-token log-probs of the grid ids after each context (with gradient when enabled)."""
+        return module.candidate_logprobs(contexts, self.grid_ids(module.tokenizer))
+
+    @torch.no_grad()
+    def values(self, module: Any, contexts: list[list[int]]) -> Tensor:
+        """``[C]`` ``V̂`` of each context, detached (``functional.value_from_grid``); counted in ``calls``."""
+        self.calls += len(contexts)
+        return value_from_grid(self.logprobs(module, contexts), self.levels(module.device))
+
+    def _rows(self, module: Any, contexts: list[list[int]], bins: Tensor, coef: float, **extras: Tensor) -> Any:
+        grid = torch.tensor(self.grid_ids(module.tokenizer), device=module.device)
+        rows = sequences_batch(contexts, [[int(grid[b])] for b in bins.tolist()], None,
+                               module.tokenizer.pad_token_id, 1.0, module.device)
+        rows = replace(rows, extras={BIN: bins.to(module.device), **{k: v.to(module.device) for k, v in extras.items()}})
+        weights = rollout_weights(rows, "token_mean", module.ranks) * coef  # the mean over every rank's rows
+        return rows, weights, grid.expand(len(contexts), 1, grid.numel())
+
+    def ce_rows(self, module: Any, contexts: list[list[int]], targets: Tensor, coef: float = 1.0,
+                metric: str = "train/critic_loss") -> AuxiliaryRows:
+        """Auxiliary rows training ``coef · mean_c CE(nearest_bin(target_c))`` (``functional.value_token_ce``)."""
+        bins = nearest_bin(targets.detach().cpu(), self.levels())
+        rows, weights, ids = self._rows(module, contexts, bins, coef)
+
+        def loss(rows: Any, out: Any, w: Tensor) -> tuple[Tensor, dict]:
+            ce = value_token_ce(out.extra_logprobs[:, 0], rows.extras[BIN])
+            term = aggregate(ce.unsqueeze(1) * rows.loss_mask, w)
+            return term, {metric: Summed(term.detach())}
+        return AuxiliaryRows(rows, weights, loss, extra_ids=ids)
+
+    def accuracy_rows(self, module: Any, contexts: list[list[int]], targets: Tensor, samples: int,
+                      generator: torch.Generator, coef: float = 1.0, clip_eps: float = 0.2, scale: bool = False,
+                      std_eps: float = 1e-6, metric: str = "train/critic_loss") -> tuple[AuxiliaryRows, dict[str, Tensor]]:
+        """TEMPO's critic rows: ``samples`` value tokens per context drawn from the grid-restricted distribution
+        (``generator``, on the CPU), each rewarded ``-|v - y| / (R_max - R_min)`` for its context's target ``y``,
+        centred within the context's group (``functional.accuracy_advantages``), under GRPO's clipped surrogate
+        ``coef · mean(-min(ρA, clip(ρ)A))`` with ``ρ`` against the distribution they were drawn from.
+
+        Returns the rows and, per context (``[C]``), ``critic_value`` (``V̂``) and ``critic_reward`` (mean reward)."""
+        with torch.no_grad():
+            old = torch.log_softmax(self.logprobs(module, contexts).float(), dim=-1).cpu()  # [C, K]
+        drawn = torch.multinomial(old.exp(), samples, replacement=True, generator=generator)  # [C, m]
+        levels = self.levels()
+        y = targets.detach().float().cpu().repeat_interleave(samples)
+        rewards, adv = accuracy_advantages(levels[drawn].flatten(), y, samples, *self.value_range, scale, std_eps)
+        bins = drawn.flatten()
+        rows, weights, ids = self._rows(module, [c for c in contexts for _ in range(samples)], bins, coef,
+                                        **{ADVANTAGE: adv})
+        rows = replace(rows, sampler_logprobs=old.gather(1, drawn).reshape(-1, 1).to(module.device))
+
+        def loss(rows: Any, out: Any, w: Tensor) -> tuple[Tensor, dict]:
+            new = torch.log_softmax(out.extra_logprobs[:, 0].float(), dim=-1).gather(1, rows.extras[BIN].unsqueeze(1))
+            ratio = torch.exp(new - rows.sampler_logprobs)
+            objective = clipped_surrogate(ratio, rows.extras[ADVANTAGE].unsqueeze(1), clip_eps, clip_eps)
+            term = -aggregate(objective * rows.loss_mask, w)
+            return term, {metric: Summed(term.detach())}
+        stats = {"critic_value": value_from_grid(old, levels), "critic_reward": rewards.view(-1, samples).mean(dim=1)}
+        return AuxiliaryRows(rows, weights, loss, extra_ids=ids), stats
