@@ -22,10 +22,11 @@ from rl_lightning.algorithms.sao import SAO
 from rl_lightning.algorithms.score_centering import ScoreCentering
 from rl_lightning.algorithms.spo import SPO
 from rl_lightning.algorithms.stable_reinforce import StableReinforce
+from rl_lightning.algorithms.tempo import TEMPO
 from rl_lightning.algorithms.trpo import TRPO
 
 __all__ = [
     "Advantages", "AuxiliaryRows", "BPCO", "CriticLearner", "HeldoutEvaluation", "Summed", "TokenMean", "CoPE", "EasyPPO", "FlashREINFORCE", "GRPO", "LVRL", "PPO", "REINFORCE", "RLOO", "SAO", "SPO",
-    "ScoreCentering", "StableReinforce", "TRPO", "HeldoutObserver", "LossTerm", "NonFiniteLossError", "PolicyGradient",
+    "ScoreCentering", "StableReinforce", "TEMPO", "TRPO", "HeldoutObserver", "LossTerm", "NonFiniteLossError", "PolicyGradient",
     "PolicyOutput", "RLModule",
 ]

@@ -1,0 +1,147 @@
+"""TEMPO (spec 000, "Changing what critics do"; NOTES §10) on real guess-the-number branches: every branch terminal
+within H gives the Monte-Carlo return with no critic call; cut branches bootstrap with the critic's value of their
+end state; y(s) is the branch mean; the critic's rewards are centred per state; warm-up, replay and refusals; a
+CLI fit past the warm-up resumes bitwise."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from rl_lightning.algorithms import TEMPO
+from rl_lightning.algorithms.generative_critic import ADVANTAGE, BIN, GenerativeCritic
+from rl_lightning.algorithms.tempo import QUERIED, RETURN, TARGET
+from rl_lightning.cli import build_cli
+from rl_lightning.envs import GuessNumberTask
+from rl_lightning.functional import group_advantages
+from rl_lightning.rollout import BranchRollout, GroupRollout, RolloutDataModule
+from tests.conftest import REPO
+from tests.rollout.rollout_helpers import fake_trainer
+
+
+class CountingCritic(GenerativeCritic):
+    """Counts every forward the critic makes (``logprobs``), not only ``values``."""
+
+    forwards = 0
+
+    def logprobs(self, module, contexts):  # noqa: ANN001
+        self.forwards += len(contexts)
+        return super().logprobs(module, contexts)
+
+
+def setup(horizon: int, warmup_steps: int = 0, replay: int = 0, **kwargs) -> tuple[TEMPO, RolloutDataModule]:
+    torch.manual_seed(0)
+    module = TEMPO(model_name_or_path="embedded:guess", critic=CountingCritic(), horizon=horizon,
+                   warmup_steps=warmup_steps, replay=replay, **kwargs)
+    dm = RolloutDataModule(task=GuessNumberTask(), prompts_per_step=4, group_size=4, max_new_tokens=3,
+                           strategy=BranchRollout(n=4, max_turns=5, max_episode_tokens=32), val_batch_size=31, seed=0)
+    dm.trainer = fake_trainer(module)
+    module.check_datamodule(dm)
+    return module, dm
+
+
+def test_branches_terminal_within_the_horizon_give_the_monte_carlo_return_and_never_call_the_critic():
+    module, dm = setup(horizon=5)  # TD phase, H = the whole episode: every branch terminates
+    batch = dm.rollout(dm.prompt_batch(0))
+    assert bool(batch.terminated.all()) and batch.rewards.std() > 0
+    adv = module.compute_advantages(batch)
+    torch.testing.assert_close(adv.rows[RETURN], batch.rewards)  # G_i = the episode's return
+    assert module.critic.calls == 0 and module.critic.forwards == 0 and float(adv.rows[QUERIED].sum()) == 0
+    mean = batch.rewards.view(-1, 4).mean(dim=1).repeat_interleave(4)
+    torch.testing.assert_close(adv.rows[TARGET], mean)  # y(s): the branch mean
+    torch.testing.assert_close(adv.advantages, group_advantages(batch.rewards, 4))
+
+
+def test_cut_branches_bootstrap_with_the_detached_critic_value_of_their_end_state():
+    module, dm = setup(horizon=3)
+    batch = dm.rollout(dm.prompt_batch(0))
+    cut = batch.cut
+    assert 0 < int(cut.sum()) < batch.num_rows  # 2 of 16 found it within 3 guesses, 14 were cut
+    adv = module.compute_advantages(batch)
+    assert module.critic.calls == int(cut.sum())  # one query per cut branch, none at terminated ends
+    contexts = [module.critic.context(module, module.end_history(batch, r), batch.prompts[r])
+                for r in cut.nonzero().flatten().tolist()]
+    assert all(len(c) <= 63 for c in contexts)
+    ends = module.critic.values(module, contexts)
+    expected = batch.rewards.clone()
+    expected[cut] += ends
+    torch.testing.assert_close(adv.rows[RETURN], expected)
+    torch.testing.assert_close(adv.rows[TARGET], expected.view(-1, 4).mean(dim=1).repeat_interleave(4))
+    assert not adv.rows[RETURN].requires_grad
+    # the end state's history is the whole row and the observation the horizon kept out ("hi:" / "lo:")
+    row = int(cut.nonzero()[0])
+    text = module.tokenizer.decode(module.end_history(batch, row), skip_special_tokens=False)
+    assert text.startswith("<bos>guess 1-31:") and text.endswith(("hi:", "lo:", "bad:"))
+    # the cut ends are kept for replay with the horizon and the rest of the episode's budget
+    assert len(module.store) == int(cut.sum())
+    saved = module.store.items[0]
+    assert saved.max_turns == 3 and saved.max_tokens == 32 - len(saved.prefix_ids)
+
+
+def test_the_critic_rows_are_rewarded_by_accuracy_centred_within_each_states_group():
+    module, dm = setup(horizon=1, critic_samples=3)
+    batch = dm.rollout(dm.prompt_batch(0))
+    adv = module.compute_advantages(batch)
+    (rows,) = module.auxiliary_rows(batch, adv)
+    assert rows.batch.num_rows == 4 * 3  # 3 value tokens per starting state
+    a = rows.batch.extras[ADVANTAGE].view(4, 3)
+    torch.testing.assert_close(a.sum(dim=1), torch.zeros(4), atol=1e-6, rtol=0)
+    y = adv.rows[TARGET][::4]
+    reward = -(module.critic.levels()[rows.batch.extras[BIN]].view(4, 3) - y.unsqueeze(1)).abs()
+    torch.testing.assert_close(a, reward - reward.mean(dim=1, keepdim=True))
+    stats = module.after_update(batch, adv)
+    assert set(stats) == {"train/critic_value", "train/critic_error", "train/critic_reward"}
+    # the critic's context is the starting state's history (here the first observation) and the query
+    text = module.tokenizer.decode(rows.batch.input_ids[0][rows.batch.attention_mask[0].bool()][:-1].tolist(),
+                                   skip_special_tokens=False)
+    assert text == "<bos>guess 1-31: V:"
+
+
+def test_warm_up_runs_whole_episodes_then_the_horizon_with_replayed_states():
+    module, dm = setup(horizon=2, warmup_steps=3, replay=2)
+    prompts = dm.prompt_batch(0)
+    assert all(b.max_turns is None for b in module.branches(2, prompts))  # warm-up: to the episode's end
+    batch = dm.rollout(prompts)
+    module.compute_advantages(batch)  # global_step 0 < 3: Monte-Carlo, nothing stored, no query
+    assert module.critic.forwards == 0 and len(module.store) == 0
+    module.store.add([module.branches(3, prompts)[0]])  # a saved state
+    after = module.branches(3, prompts)
+    assert len(after) == 5 and all(b.max_turns == 2 for b in after) and module._fresh_states == 4
+
+
+def test_refusals():
+    module, _ = setup(horizon=1)
+    plain = RolloutDataModule(task=GuessNumberTask(), prompts_per_step=2, group_size=4, max_new_tokens=3,
+                              strategy=GroupRollout(max_turns=5))
+    with pytest.raises(ValueError, match="data.init_args.strategy must be a rl_lightning.rollout.BranchRollout"):
+        module.check_datamodule(plain)
+    with pytest.raises(ValueError, match="critic_samples must be >= 2"):
+        TEMPO(model_name_or_path="embedded:guess", critic_samples=1)
+    with pytest.raises(ValueError, match="critic_loss must be"):
+        TEMPO(model_name_or_path="embedded:guess", critic_loss="mse")
+
+
+def _fit(root, steps: int, ckpt_path: str | None = None) -> str:
+    torch.manual_seed(0)
+    cli = build_cli(["--config", str(REPO / "configs" / "tempo.yaml"), f"--trainer.max_steps={steps}",
+                     f"--trainer.default_root_dir={root}", "--trainer.logger=false", "--trainer.limit_val_batches=0",
+                     "--trainer.enable_progress_bar=false", "--model.init_args.warmup_steps=1",
+                     "--model.init_args.replay=2", "--data.init_args.prompts_per_step=2"], run=False, save_config=False)
+    for cb in [cb for cb in cli.trainer.callbacks if isinstance(cb, ModelCheckpoint)]:
+        cli.trainer.callbacks.remove(cb)
+    cli.trainer.callbacks.append(ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=1, save_top_k=-1))
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path)
+    digest = hashlib.sha256()
+    for param in cli.model.parameters():
+        digest.update(param.detach().numpy().tobytes())
+    return digest.hexdigest() + f"/store={len(cli.model.store)}"
+
+
+def test_a_fit_past_the_warm_up_with_replayed_states_resumes_bitwise(tmp_path):
+    straight = _fit(tmp_path / "a", 3)  # step 0 warm-up; steps 1, 2 TD, step 2 replays step 1's cut ends
+    step2 = sorted((tmp_path / "a" / "ckpt").glob("*step=2.ckpt"))
+    assert step2
+    assert _fit(tmp_path / "b", 3, ckpt_path=str(step2[0])) == straight
