@@ -1,5 +1,6 @@
 """One LightningModule per method; ``RLModule`` is the shared base."""
 
+from rl_lightning.algorithms.ac2 import AC2
 from rl_lightning.algorithms.advantages import Advantages
 from rl_lightning.algorithms.auxiliary import AuxiliaryRows
 from rl_lightning.algorithms.base import NonFiniteLossError, RLModule
@@ -26,7 +27,7 @@ from rl_lightning.algorithms.tempo import TEMPO
 from rl_lightning.algorithms.trpo import TRPO
 
 __all__ = [
-    "Advantages", "AuxiliaryRows", "BPCO", "CriticLearner", "HeldoutEvaluation", "Summed", "TokenMean", "CoPE", "EasyPPO", "FlashREINFORCE", "GRPO", "LVRL", "PPO", "REINFORCE", "RLOO", "SAO", "SPO",
+    "AC2", "Advantages", "AuxiliaryRows", "BPCO", "CriticLearner", "HeldoutEvaluation", "Summed", "TokenMean", "CoPE", "EasyPPO", "FlashREINFORCE", "GRPO", "LVRL", "PPO", "REINFORCE", "RLOO", "SAO", "SPO",
     "ScoreCentering", "StableReinforce", "TEMPO", "TRPO", "HeldoutObserver", "LossTerm", "NonFiniteLossError", "PolicyGradient",
     "PolicyOutput", "RLModule",
 ]

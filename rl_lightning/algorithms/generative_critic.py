@@ -53,6 +53,19 @@ def value_token_ids(tokenizer: Any, tokens: tuple[str, ...], owner: str) -> list
     return flat
 
 
+def start_history(batch: Any, row: int) -> list[int]:
+    """The ids of a branch row's starting state: the prompt part (its first observation and the branch's prefix)."""
+    p = batch.prompt_length
+    return batch.input_ids[row, :p][batch.attention_mask[row, :p].bool()].tolist()
+
+
+def end_history(batch: Any, row: int) -> list[int]:
+    """The ids of a row's end state: everything it attended to, then a final observation a limit kept out."""
+    ids = batch.input_ids[row][batch.attention_mask[row].bool()].tolist()
+    end = batch.end_states[row] if batch.end_states is not None else None
+    return ids + (list(end.final_obs_ids) if end is not None else [])
+
+
 class GenerativeCritic:
     """A value-token critic on the policy's weights (see the module docstring).
 
@@ -93,6 +106,12 @@ class GenerativeCritic:
         limit = getattr(getattr(module.policy, "config", None), "max_position_embeddings", None)
         room = len(history) if limit is None else max(limit - 1 - len(head) - len(tail), 1)
         return head + list(history)[-room:] + tail
+
+    def start_contexts(self, module: Any, batch: Any) -> tuple[list[int], list[list[int]]]:
+        """``(rows, contexts)``: the first row of each group of a branch batch and the critic's context at its
+        starting state (``start_history``: the group's shared prompt part)."""
+        starts = list(range(0, batch.num_rows, batch.group_size))
+        return starts, [self.context(module, start_history(batch, r), batch.prompts[r]) for r in starts]
 
     def logprobs(self, module: Any, contexts: list[list[int]]) -> Tensor:
         """``[C, K]`` next-token log-probs of the grid ids after each context (with gradient when enabled)."""

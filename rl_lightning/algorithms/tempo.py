@@ -34,7 +34,7 @@ from typing_extensions import override
 from rl_lightning.algorithms.advantages import Advantages
 from rl_lightning.algorithms.auxiliary import AuxiliaryRows
 from rl_lightning.algorithms.checks import check_settings
-from rl_lightning.algorithms.generative_critic import GenerativeCritic
+from rl_lightning.algorithms.generative_critic import GenerativeCritic, end_history
 from rl_lightning.algorithms.grpo import GRPO
 from rl_lightning.functional import branch_mean_targets, group_advantages, macro_step_returns, value_from_grid
 from rl_lightning.rollout.batch import RolloutBatch
@@ -120,20 +120,6 @@ class TEMPO(GRPO):
             if room is None or room > 0:  # the whole episode stays within the budget
                 self.store.add([Branch.from_rollout(batch, row, max_turns=self.horizon, max_tokens=room)])
 
-    # ------------------------------------------------------------------ histories
-    @staticmethod
-    def start_history(batch: RolloutBatch, row: int) -> list[int]:
-        """The ids of the row's starting state: its first observation and the branch's prefix (the prompt part)."""
-        p = batch.prompt_length
-        return batch.input_ids[row, :p][batch.attention_mask[row, :p].bool()].tolist()
-
-    @staticmethod
-    def end_history(batch: RolloutBatch, row: int) -> list[int]:
-        """The ids of the row's end state: everything it attended to, then a final observation a limit kept out."""
-        ids = batch.input_ids[row][batch.attention_mask[row].bool()].tolist()
-        end = batch.end_states[row] if batch.end_states is not None else None
-        return ids + (list(end.final_obs_ids) if end is not None else [])
-
     # ------------------------------------------------------------------ targets
     @override
     def compute_advantages(self, batch: RolloutBatch) -> Advantages:
@@ -147,7 +133,7 @@ class TEMPO(GRPO):
             ends = torch.zeros_like(ends)  # Monte-Carlo: a cut complete episode is not bootstrapped
         elif bool(queried.any()):
             rows = queried.nonzero().flatten().tolist()
-            contexts = [self.critic.context(self, self.end_history(batch, r), batch.prompts[r]) for r in rows]
+            contexts = [self.critic.context(self, end_history(batch, r), batch.prompts[r]) for r in rows]
             ends[queried] = self.critic.values(self, contexts).to(ends.dtype)
             self._keep_ends(batch)
         returns = macro_step_returns(batch.rewards, batch.terminated, ends)
@@ -163,8 +149,7 @@ class TEMPO(GRPO):
         """The critic's rows at each starting state ``s`` with target ``y(s)`` (see the module docstring)."""
         if self.critic_coef == 0:
             return None
-        starts = list(range(0, batch.num_rows, batch.group_size))
-        contexts = [self.critic.context(self, self.start_history(batch, r), batch.prompts[r]) for r in starts]
+        starts, contexts = self.critic.start_contexts(self, batch)
         targets = adv.rows[TARGET][starts].float()
         if self.critic_loss == "ce":
             with torch.no_grad():

@@ -1,6 +1,7 @@
 """Cross-cutting behaviour that plugs into any method: KL regularisers, critic schedules, sample logging,
 the progress bar, and run safety (atomic checkpoints, a checkpoint on interrupt, replayable failure dumps)."""
 
+from rl_lightning.callbacks.audit import FullRolloutAudit
 from rl_lightning.callbacks.critic import CriticWarmup, FreezeCriticModules
 from rl_lightning.callbacks.kl import KLRegularizer
 from rl_lightning.callbacks.progress import RLProgressBar
@@ -8,6 +9,6 @@ from rl_lightning.callbacks.safety import AtomicCheckpointIO, FailureDump, Grace
 from rl_lightning.callbacks.samples import RolloutSamples
 
 __all__ = [
-    "AtomicCheckpointIO", "CriticWarmup", "FailureDump", "FreezeCriticModules", "GracefulInterrupt", "KLRegularizer",
+    "AtomicCheckpointIO", "CriticWarmup", "FailureDump", "FullRolloutAudit", "FreezeCriticModules", "GracefulInterrupt", "KLRegularizer",
     "RLProgressBar", "RolloutSamples", "RunInterrupted",
 ]

@@ -12,7 +12,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from rl_lightning.algorithms import TEMPO
-from rl_lightning.algorithms.generative_critic import ADVANTAGE, BIN, GenerativeCritic
+from rl_lightning.algorithms.generative_critic import ADVANTAGE, BIN, GenerativeCritic, end_history
 from rl_lightning.algorithms.tempo import QUERIED, RETURN, TARGET
 from rl_lightning.cli import build_cli
 from rl_lightning.envs import GuessNumberTask
@@ -62,7 +62,7 @@ def test_cut_branches_bootstrap_with_the_detached_critic_value_of_their_end_stat
     assert 0 < int(cut.sum()) < batch.num_rows  # 2 of 16 found it within 3 guesses, 14 were cut
     adv = module.compute_advantages(batch)
     assert module.critic.calls == int(cut.sum())  # one query per cut branch, none at terminated ends
-    contexts = [module.critic.context(module, module.end_history(batch, r), batch.prompts[r])
+    contexts = [module.critic.context(module, end_history(batch, r), batch.prompts[r])
                 for r in cut.nonzero().flatten().tolist()]
     assert all(len(c) <= 63 for c in contexts)
     ends = module.critic.values(module, contexts)
@@ -73,7 +73,7 @@ def test_cut_branches_bootstrap_with_the_detached_critic_value_of_their_end_stat
     assert not adv.rows[RETURN].requires_grad
     # the end state's history is the whole row and the observation the horizon kept out ("hi:" / "lo:")
     row = int(cut.nonzero()[0])
-    text = module.tokenizer.decode(module.end_history(batch, row), skip_special_tokens=False)
+    text = module.tokenizer.decode(end_history(batch, row), skip_special_tokens=False)
     assert text.startswith("<bos>guess 1-31:") and text.endswith(("hi:", "lo:", "bad:"))
     # the cut ends are kept for replay with the horizon and the rest of the episode's budget
     assert len(module.store) == int(cut.sum())
