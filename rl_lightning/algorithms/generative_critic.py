@@ -13,10 +13,11 @@ NOTES §10, §11). TEMPO and AC2 share it; it holds no parameters of its own.
   cross-entropy to the target's nearest bin (``functional.nearest_bin``, ``value_token_ce``: AC2), or
   ``accuracy_rows``, TEMPO's GRPO on sampled value tokens rewarded by ``-|V̂ - y| / (R_max - R_min)`` centred
   within each state's group (``functional.accuracy_advantages``);
-* a method calls it at segment boundaries only (``values`` counts the contexts it valued in ``calls``).
-
-Not implemented yet: the spec's "reason over history" for real models -- a short generated reasoning before the
-value token. Today the value token follows the query directly.
+* a method calls it at segment boundaries only (``values`` counts the contexts it valued in ``calls``);
+* ``reasoning_tokens > 0`` (for real models; the spec: "reason over history"): the context ends with
+  ``reasoning_prompt`` instead of the query, the policy writes up to that many tokens there (greedy, eval mode, no
+  gradient, stopped at EOS, which is dropped), and the query follows them; the value token is read, and trained,
+  after that reasoning, which is context (it is not trained itself). Tools are not implemented.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from rl_lightning.algorithms.forward import sequences_batch
 from rl_lightning.algorithms.metrics import Summed
 from rl_lightning.algorithms.planning import rollout_weights
 from rl_lightning.envs.base import Prompt
+from rl_lightning.rollout.engine import SamplingParams
+from rl_lightning.rollout.engines import KVCacheEngine
 from rl_lightning.functional import (
     accuracy_advantages, aggregate, clipped_surrogate, nearest_bin, value_from_grid, value_levels, value_token_ce,
 )
@@ -77,16 +80,22 @@ class GenerativeCritic:
             whose 64 positions the history needs).
         privileged: text in the critic's context only, ``str.format`` over the prompt's ``answer`` and ``metadata``
             (``None``: none).
+        reasoning_tokens: tokens the policy may write before the query (0: none; see the module docstring).
+        reasoning_prompt: text that opens the reasoning (with ``reasoning_tokens > 0``).
     """
 
     def __init__(self, value_tokens: tuple[str, ...] = tuple("abcdefghijk"),
                  value_range: tuple[float, float] = (0.0, 1.0), query: str = " V:", instruction: str = "",
-                 privileged: str | None = None) -> None:
+                 privileged: str | None = None, reasoning_tokens: int = 0,
+                 reasoning_prompt: str = " Think:") -> None:
         if len(value_tokens) < 2 or len(value_range) != 2 or not value_range[0] < value_range[1]:
             raise ValueError(f"GenerativeCritic: needs >= 2 value_tokens and value_range [R_min, R_max] with "
                              f"R_min < R_max, got {list(value_tokens)}, {list(value_range)}")
         self.value_tokens, self.value_range = tuple(value_tokens), (float(value_range[0]), float(value_range[1]))
         self.query, self.instruction, self.privileged = query, instruction, privileged
+        if reasoning_tokens < 0:
+            raise ValueError(f"GenerativeCritic: reasoning_tokens must be >= 0, got {reasoning_tokens}")
+        self.reasoning_tokens, self.reasoning_prompt = reasoning_tokens, reasoning_prompt
         self.calls = 0  # contexts valued by ``values``
 
     def grid_ids(self, tokenizer: Any) -> list[int]:
@@ -98,13 +107,17 @@ class GenerativeCritic:
 
     def context(self, module: Any, history: list[int], prompt: Prompt | None = None) -> list[int]:
         """``instruction + history + privileged + query`` ids, the history cut from the left to leave one position
-        (the value token) within the policy's ``max_position_embeddings``."""
+        (the value token) within the policy's ``max_position_embeddings``; with ``reasoning_tokens``, ending with
+        ``reasoning_prompt`` and leaving room for the reasoning and the query (``reasoned`` completes it)."""
         tok = module.tokenizer
         encode = lambda text: list(tok(text, add_special_tokens=False)["input_ids"]) if text else []  # noqa: E731
         extra = self.privileged.format(answer=prompt.answer, **prompt.metadata) if self.privileged and prompt else ""
         head, tail = encode(self.instruction), encode(extra) + encode(self.query)
+        reserve = 0
+        if self.reasoning_tokens:
+            tail, reserve = encode(extra) + encode(self.reasoning_prompt), self.reasoning_tokens + len(encode(self.query))
         limit = getattr(getattr(module.policy, "config", None), "max_position_embeddings", None)
-        room = len(history) if limit is None else max(limit - 1 - len(head) - len(tail), 1)
+        room = len(history) if limit is None else max(limit - 1 - reserve - len(head) - len(tail), 1)
         return head + list(history)[-room:] + tail
 
     def start_contexts(self, module: Any, batch: Any) -> tuple[list[int], list[list[int]]]:
@@ -113,9 +126,35 @@ class GenerativeCritic:
         starts = list(range(0, batch.num_rows, batch.group_size))
         return starts, [self.context(module, start_history(batch, r), batch.prompts[r]) for r in starts]
 
+    @torch.no_grad()
+    def reasoned(self, module: Any, contexts: list[list[int]]) -> list[list[int]]:
+        """``contexts`` (from ``context``) completed by the policy's reasoning and the query; themselves when
+        ``reasoning_tokens`` is 0."""
+        if not self.reasoning_tokens:
+            return contexts
+        tok, policy = module.tokenizer, module.policy
+        params = SamplingParams(max_tokens=self.reasoning_tokens, eos_token_id=tok.eos_token_id,
+                                pad_token_id=tok.pad_token_id, greedy=True)
+        was = policy.training
+        policy.eval()
+        try:
+            gen = KVCacheEngine().bound(policy).generate(contexts, params)
+        finally:
+            policy.train(was)
+        query = list(tok(self.query, add_special_tokens=False)["input_ids"])
+        out = []
+        for c, ids, mask in zip(contexts, gen.response_ids.tolist(), gen.mask.tolist()):
+            thought = [i for i, m in zip(ids, mask) if m and i != tok.eos_token_id]
+            out.append(list(c) + thought + query)
+        return out
+
     def logprobs(self, module: Any, contexts: list[list[int]]) -> Tensor:
-        """``[C, K]`` next-token log-probs of the grid ids after each context (with gradient when enabled)."""
-        return module.candidate_logprobs(contexts, self.grid_ids(module.tokenizer))
+        """``[C, K]`` next-token log-probs of the grid ids after each context (``reasoned`` first), with gradient
+        when enabled."""
+        return self._grid_logprobs(module, self.reasoned(module, contexts))
+
+    def _grid_logprobs(self, module: Any, full: list[list[int]]) -> Tensor:
+        return module.candidate_logprobs(full, self.grid_ids(module.tokenizer))
 
     @torch.no_grad()
     def values(self, module: Any, contexts: list[list[int]]) -> Tensor:
@@ -135,7 +174,7 @@ class GenerativeCritic:
                 metric: str = "train/critic_loss") -> AuxiliaryRows:
         """Auxiliary rows training ``coef · mean_c CE(nearest_bin(target_c))`` (``functional.value_token_ce``)."""
         bins = nearest_bin(targets.detach().cpu(), self.levels())
-        rows, weights, ids = self._rows(module, contexts, bins, coef)
+        rows, weights, ids = self._rows(module, self.reasoned(module, contexts), bins, coef)
 
         def loss(rows: Any, out: Any, w: Tensor) -> tuple[Tensor, dict]:
             ce = value_token_ce(out.extra_logprobs[:, 0], rows.extras[BIN])
@@ -152,14 +191,15 @@ class GenerativeCritic:
         ``coef · mean(-min(ρA, clip(ρ)A))`` with ``ρ`` against the distribution they were drawn from.
 
         Returns the rows and, per context (``[C]``), ``critic_value`` (``V̂``) and ``critic_reward`` (mean reward)."""
+        full = self.reasoned(module, contexts)
         with torch.no_grad():
-            old = torch.log_softmax(self.logprobs(module, contexts).float(), dim=-1).cpu()  # [C, K]
+            old = torch.log_softmax(self._grid_logprobs(module, full).float(), dim=-1).cpu()  # [C, K]
         drawn = torch.multinomial(old.exp(), samples, replacement=True, generator=generator)  # [C, m]
         levels = self.levels()
         y = targets.detach().float().cpu().repeat_interleave(samples)
         rewards, adv = accuracy_advantages(levels[drawn].flatten(), y, samples, *self.value_range, scale, std_eps)
         bins = drawn.flatten()
-        rows, weights, ids = self._rows(module, [c for c in contexts for _ in range(samples)], bins, coef,
+        rows, weights, ids = self._rows(module, [c for c in full for _ in range(samples)], bins, coef,
                                         **{ADVANTAGE: adv})
         rows = replace(rows, sampler_logprobs=old.gather(1, drawn).reshape(-1, 1).to(module.device))
 

@@ -103,3 +103,30 @@ def test_accuracy_rows_are_grpo_on_sampled_value_tokens_centred_per_state(module
     assert float(term.detach()) == pytest.approx(-2.0 * float(adv.mean()), abs=1e-6)
     torch.testing.assert_close(grads(module, term), grads(module, independent), rtol=1e-4, atol=1e-7)
     assert value_from_grid(torch.zeros(1, 11), critic.levels()).item() == pytest.approx(0.5)
+
+
+def test_reasoning_before_the_value_token_is_greedy_context_then_the_query(module):
+    tok = module.tokenizer
+    critic = GenerativeCritic(reasoning_tokens=3, reasoning_prompt=" T:")
+    history = list(tok("<bos>guess 1-31:16<eos>hi:", add_special_tokens=False)["input_ids"])
+    ctx = critic.context(module, history)
+    assert tok.decode(ctx, skip_special_tokens=False).endswith("hi: T:")
+    assert len(critic.context(module, history * 10)) == 63 - 3 - 3  # room for 3 reasoning ids and " V:"
+    thought, ids = [], list(ctx)
+    with torch.no_grad():  # greedy by hand, stopped at EOS (dropped)
+        for _ in range(3):
+            nxt = int(module.policy(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
+            if nxt == tok.eos_token_id:
+                break
+            thought.append(nxt)
+            ids.append(nxt)
+    full = ctx + thought + list(tok(" V:", add_special_tokens=False)["input_ids"])
+    assert module.policy.training
+    assert critic.reasoned(module, [ctx]) == [full] and module.policy.training  # train mode restored
+    grid = critic.grid_ids(tok)
+    expected = value_from_grid(module.candidate_logprobs([full], grid).detach(), critic.levels())
+    torch.testing.assert_close(critic.values(module, [ctx]), expected)
+    rows = critic.ce_rows(module, [ctx], torch.tensor([0.5]))
+    assert rows.batch.input_ids[0][rows.batch.attention_mask[0].bool()].tolist()[:-1] == full  # value token after it
+    with pytest.raises(ValueError, match="reasoning_tokens must be >= 0"):
+        GenerativeCritic(reasoning_tokens=-1)
