@@ -16,7 +16,7 @@ from rl_lightning.algorithms.generative_critic import ADVANTAGE, BIN, Generative
 from rl_lightning.algorithms.tempo import QUERIED, RETURN, TARGET
 from rl_lightning.cli import build_cli
 from rl_lightning.envs import GuessNumberTask
-from rl_lightning.functional import group_advantages
+from rl_lightning.functional import group_advantages, nearest_bin
 from rl_lightning.rollout import BranchRollout, GroupRollout, RolloutDataModule
 from tests.conftest import REPO
 from tests.rollout.rollout_helpers import fake_trainer
@@ -145,3 +145,13 @@ def test_a_fit_past_the_warm_up_with_replayed_states_resumes_bitwise(tmp_path):
     step2 = sorted((tmp_path / "a" / "ckpt").glob("*step=2.ckpt"))
     assert step2
     assert _fit(tmp_path / "b", 3, ckpt_path=str(step2[0])) == straight
+
+
+def test_the_cross_entropy_critic_trains_the_nearest_bin_of_each_states_target():
+    module, dm = setup(horizon=3, critic_loss="ce")
+    batch = dm.rollout(dm.prompt_batch(0))
+    adv = module.compute_advantages(batch)
+    (rows,) = module.auxiliary_rows(batch, adv)
+    assert rows.batch.num_rows == 4  # one row per starting state
+    assert rows.batch.extras[BIN].tolist() == nearest_bin(adv.rows[TARGET][::4], module.critic.levels()).tolist()
+    assert set(module.after_update(batch, adv)) == {"train/critic_value", "train/critic_error"}
