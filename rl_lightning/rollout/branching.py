@@ -216,7 +216,7 @@ class BranchRollout(GroupRollout):
         responses = [tok.decode(ids, skip_special_tokens=False) for ids in lists]
         make = self._maker(ctx, prompt_ids, prompt_mask, gen, self.n, [b.prompt_index for b in rows_of], prompts,
                            responses, time.perf_counter() - t0, self._episode_fields(gen))
-        out = make(episodes.returns(), 0.0, episodes)
+        out = make(episodes.returns(unscored=0.0), 0.0, episodes)  # a held chunk has earned nothing yet
         truncated = gen.truncated | torch.tensor(episodes.env_truncated, device=gen.truncated.device)
         pending = [episodes.pending[r] + held if held else [] for r, held in enumerate(gen.pending)]  # whole turn
         return replace(out, truncated=truncated, **episodes.end_fields(

@@ -116,8 +116,10 @@ class _Episodes:
         self.observations[row].append(observation)
         return ids
 
-    def returns(self) -> list[float]:
-        return [float(sum(r)) if r else 0.0 for r in self.turn_rewards]  # a row whose only turn was held: 0
+    def returns(self, unscored: float = float("nan")) -> list[float]:
+        """Each episode's return; ``unscored`` for one the environment never scored (NaN: a reward failure's dump
+        marks the rows not scored yet; a continuation whose only turn was held earned 0)."""
+        return [sum(r) if r else unscored for r in self.turn_rewards]
 
     def end_fields(self, prefixes: list[list[int]], responses: list[list[int]], final_obs: list[list[int]],
                    pending: list[list[int]], device: torch.device) -> dict[str, Any]:
