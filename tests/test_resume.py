@@ -156,7 +156,7 @@ def test_resume_from_a_step_checkpoint_runs_that_steps_validation(tmp_path):
 def test_resume_restores_a_lagged_sampler_whose_engine_cannot_give_its_weights_back(tmp_path):
     """An external engine (vLLM) cannot return the weights it samples with (``weights()`` is ``None``): the sampler
     sync keeps a copy of what it loaded, so the checkpoint of a lagged sampler still holds them."""
-    from tests.rollout.test_engine_interface import ListEngine
+    from tests.helpers.engines import ListEngine
 
     assert ListEngine().weights() is None
     kwargs = dict(sampler_sync_interval=3)
