@@ -133,6 +133,7 @@ def test_each_task_preset_writes_its_runs_under_its_own_name():
     """So that ``--ckpt_path last`` after stacking a task preset finds a run of that task, not the method's."""
     stacks = {"guess": ["grpo", "guess"], "calculator": ["grpo", "calculator"],
               "arithmetic_hard": ["grpo", "arithmetic_hard"], "guess_ppo": ["ppo", "guess", "guess_ppo"],
+              "guess_grpo": ["grpo", "guess", "guess_grpo"], "guess_reinforce": ["reinforce", "guess", "guess_reinforce"],
               "sao_arithmetic": ["sao", "sao_arithmetic"]}
     assert set(stacks) == {p.stem for p in TASKS.glob("*.yaml")}
     for name, (method, *tasks) in stacks.items():

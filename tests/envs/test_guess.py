@@ -15,7 +15,8 @@ from rl_lightning.envs import Environment, GuessNumberEnv, GuessNumberTask, Prom
 from tests.conftest import REPO
 
 PRESET = REPO / "configs" / "tasks" / "guess.yaml"
-PPO_PRESET = REPO / "configs" / "tasks" / "guess_ppo.yaml"
+#: each method's own settings for the task (run_methods.sh stacks configs/tasks/guess_<method>.yaml after the preset)
+METHOD_PRESETS = {m: REPO / "configs" / "tasks" / f"guess_{m}.yaml" for m in ("grpo", "reinforce", "ppo")}
 
 
 def _env(secret: int = 20, **kwargs) -> GuessNumberEnv:
@@ -223,7 +224,7 @@ def test_the_preset_stacks_on_each_method(method):
 
     from rl_lightning.cli import RLCLI, build_cli
 
-    files = [REPO / "configs" / f"{method}.yaml", PRESET] + ([PPO_PRESET] if method == "ppo" else [])
+    files = [REPO / "configs" / f"{method}.yaml", PRESET]
     args = [a for f in files for a in ("--config", str(f))]
     with mock.patch.object(RLCLI, "instantiate_classes", lambda self: None):
         config = build_cli(args, run=False).config
@@ -236,12 +237,35 @@ def test_the_preset_stacks_on_each_method(method):
     assert data.strategy.class_path == "rl_lightning.rollout.GroupRollout"
     assert data.strategy.init_args.max_turns == 5
     assert data.max_new_tokens == 3 and data.val_batch_size >= 31
-    assert config.trainer.logger.init_args.name == ("guess_ppo" if method == "ppo" else "guess")  # the preset's own runs
+    assert config.trainer.logger.init_args.name == "guess"  # the preset's own runs
     assert (config.trainer.max_steps, config.trainer.val_check_interval) == (100, 10)
+    assert config.model.init_args.optimizer.init_args.lr == (5e-5 if method == "ppo" else 1e-4)  # the method's own
+    assert data.temperature == 1.0
+
+
+@pytest.mark.parametrize("method", ["grpo", "reinforce", "ppo"])
+def test_each_method_preset_stacks_after_the_task_preset(method):
+    """``configs/tasks/guess_<method>.yaml``: the method's settings for the task, its runs under their own name, the
+    task's budget (100 steps of the method config's 16 prompts x 8 episodes) unchanged."""
+    from unittest import mock
+
+    from rl_lightning.cli import RLCLI, build_cli
+
+    files = [REPO / "configs" / f"{method}.yaml", PRESET, METHOD_PRESETS[method]]
+    args = [a for f in files for a in ("--config", str(f))]
+    with mock.patch.object(RLCLI, "instantiate_classes", lambda self: None):
+        config = build_cli(args, run=False).config
+    model, data = config.model.init_args, config.data.init_args
+    assert model.model_name_or_path == "embedded:guess" and data.task.class_path == "rl_lightning.envs.GuessNumberTask"
+    assert config.trainer.logger.init_args.name == f"guess_{method}"
+    assert (config.trainer.max_steps, data.prompts_per_step, data.group_size) == (100, 16, 8)
+    assert model.optimizer.init_args.lr == 1e-4
     if method == "ppo":
-        assert config.model.init_args.lam == 1.0 and config.model.init_args.optimizer.init_args.lr == 1e-4
-    else:  # the method's own hyper-parameters are kept
-        assert config.model.init_args.optimizer.init_args.lr == 1e-4
+        assert model.lam == 1.0 and data.temperature == 1.0
+    elif method == "grpo":  # the study's fix: temperature 0.7 and PPO's 2 passes x 2 minibatches
+        assert data.temperature == 0.7 and (model.num_iterations, model.num_minibatches) == (2, 2)
+    else:  # REINFORCE: temperature 0.7, one optimiser step per batch
+        assert data.temperature == 0.7 and (model.num_iterations, model.num_minibatches) == (1, 1)
 
 
 def test_the_longest_episode_fits_the_tiny_llama():
