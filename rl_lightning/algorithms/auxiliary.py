@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from rl_lightning.algorithms.checks import check_finite
 from rl_lightning.algorithms.metrics import Metrics, UpdateMetrics
 from rl_lightning.rollout.batch import RolloutBatch
 
@@ -99,7 +100,7 @@ def run_auxiliary(module: Any, micros: list[AuxiliaryMicro], metrics: UpdateMetr
         rows_batch, weights = item.batch.select(rows), item.weights[rows] * scale
         out = module.forward_policy(rows_batch, extra_ids=None if item.extra_ids is None else item.extra_ids[rows])
         loss, stats = item.loss(rows_batch, out, weights)
-        module._check_finite(loss.detach(), "auxiliary loss", iteration, index)
+        check_finite(loss.detach(), "auxiliary loss", module.global_step, iteration, index)
         if loss.requires_grad:
             module.manual_backward(loss)
         metrics.add_loss(loss, stats if scale else {}, rows_batch.loss_mask.sum().float())  # a filler: no metrics

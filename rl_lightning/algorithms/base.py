@@ -202,7 +202,7 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
         skipped = skipped_rows(self, batch, adv, terms) if self.skip_inert_rows else None
         plan = self._plan(batch, skipped)
         aux = auxiliary_plan(self.auxiliary_rows(batch, adv), [step[1] for step in plan], self.num_minibatches,
-                             self.micro_batch_size, self.ranks.max if self.ranks.world_size > 1 else None)
+                             self.micro_batch_size, self.ranks.max)
         if self.needs_proximal_logprobs and len(plan) > 1:
             batch = with_proximal_logprobs(self.forward_policy, batch, self.micro_batch_size)
         forwarded = torch.zeros(batch.num_rows, dtype=torch.bool, device=batch.loss_mask.device)
@@ -221,7 +221,7 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
                 for term, term_stats in [*self.extra_losses(mb, out, mb_adv, mb_w),
                                          *(t.loss_term(self, mb, out.logprobs, mb_w) for t in terms)]:
                     loss, stats = loss + term, {**stats, **term_stats}
-                self._check_finite(loss.detach(), "loss", iteration, index)
+                check_finite(loss.detach(), "loss", self.global_step, iteration, index)
                 if loss.requires_grad:  # e.g. not while a callback has frozen every parameter
                     self.manual_backward(loss)
                 metrics.add_loss(loss, stats, mb.loss_mask.sum().float())
@@ -294,9 +294,6 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
         params = [p for p in self.trainable_parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm or float("inf"))
         grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm  # FSDP: the global norm
-        self._check_finite(grad_norm, "gradient norm", iteration, index)
+        check_finite(grad_norm, "gradient norm", self.global_step, iteration, index)
         metrics.add("train/grad_norm", grad_norm)
         (optimizer.step if last else optimizer.optimizer.step)()  # only the last is Lightning's: global_step counts batches
-
-    def _check_finite(self, value: Tensor, what: str, iteration: int, minibatch: int) -> None:
-        check_finite(value, what, self.global_step, iteration, minibatch)  # NonFiniteLossError

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from rl_lightning.algorithms.advantages import Advantages
-from rl_lightning.algorithms.checks import check_settings
+from rl_lightning.algorithms.checks import check_finite, check_settings
 from rl_lightning.algorithms.forward import PolicyOutput
 from rl_lightning.algorithms.metrics import Metrics, Summed, TokenMean
 from rl_lightning.functional import (
@@ -164,13 +164,13 @@ class CriticLearner:
                 optimizer.zero_grad()
                 loss, loss_stats = self.loss(mb, self.values(mb, detach_hidden=True), mb_adv,
                                              weights[chunk] * self.minibatches)
-                module._check_finite(loss.detach(), "value loss", update, index)
+                check_finite(loss.detach(), "value loss", module.global_step, update, index)
                 if loss.requires_grad:  # not while a callback has frozen the whole critic
                     module.manual_backward(loss)
                 grads = [p for p in params if p.grad is not None]
                 if grads:
                     norm = torch.nn.utils.clip_grad_norm_(grads, self.max_grad_norm or float("inf"))
-                    module._check_finite(norm, "critic gradient norm", update, index)
+                    check_finite(norm, "critic gradient norm", module.global_step, update, index)
                     stats.setdefault("train/critic_grad_norm", []).append(norm.detach())
                 optimizer.optimizer.step()  # the raw torch step: only the actor's step is the global step
                 for key, value in loss_stats.items():
