@@ -67,7 +67,14 @@ def test_the_server_never_outlives_the_process_that_started_it(how, tmp_path):
         trainer.send_signal(signal.SIGINT)
     elif how == "sigkill":
         trainer.kill()
-    code = trainer.wait(timeout=60)
+    try:
+        code = trainer.wait(timeout=60)
+    except subprocess.TimeoutExpired:  # say where it hung (seen once under heavy load, not reproduced since)
+        trainer.kill()
+        _, err = trainer.communicate()
+        log = (tmp_path / "server.log").read_text() if (tmp_path / "server.log").exists() else ""
+        pytest.fail(f"the trainer stand-in did not exit within 60 s after {how}; its stderr:\n{err[-2000:]}\n"
+                    f"guard log:\n{log[-2000:]}")
     assert _gone(server_pid), f"server {server_pid} still running after the trainer's {how} (exit {code})"
     # an unhandled KeyboardInterrupt ends Python by SIGINT (-2), or exit code 1 where a handler turned it into one
     expected = {"stop": {0}, "normal_exit": {0}, "exception": {1}, "sigint": {1, -signal.SIGINT},
