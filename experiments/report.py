@@ -26,7 +26,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
@@ -42,6 +42,14 @@ class Run:
     train: list[tuple[int, float]]
     wall_time_s: float
     steps: int
+    sampled: list[tuple[int, float]] = field(default_factory=list)  # perf/sampled_tokens per step (runs before it was logged: [])
+    step_time: list[tuple[int, float]] = field(default_factory=list)  # perf/step_time per step
+
+    def compute_at(self, step: int, kind: str) -> float:
+        """The compute spent before the evaluation at ``step`` (after ``step`` updates): the sum over training
+        steps ``< step`` of the tokens sampled (``kind="tokens"``) or of the step's wall clock (``"seconds"``)."""
+        series = self.sampled if kind == "tokens" else self.step_time
+        return sum(v for s, v in series if s < step)
 
 
 def load_run(path: Path) -> Run:
@@ -64,7 +72,10 @@ def load_run(path: Path) -> Run:
             method = f"{method} [{'_'.join(name.removeprefix('ablations/').split('_')[:2])}]"
         seed = str(cfg.get("seed_everything", "?"))
     steps = max([s for s, _ in train] + [s for s, _ in val] + [0])
-    return Run(path, method, seed, sorted(val), sorted(train), max(times) - min(times), steps)
+    series = {tag: sorted((e.step, e.value) for e in acc.Scalars(tag)) if tag in tags else []
+              for tag in ("perf/sampled_tokens", "perf/step_time")}
+    return Run(path, method, seed, sorted(val), sorted(train), max(times) - min(times), steps,
+               series["perf/sampled_tokens"], series["perf/step_time"])
 
 
 def finished_run(name: str, seed: int, root: Path = Path("runs")) -> Path | None:
@@ -132,15 +143,53 @@ def report_lines(runs: list[Run], plot: Path | None, command: str, notes: str = 
             f"[{min(finals):.3f}–{max(finals):.3f}] | {sum(bests) / len(bests):.3f} | "
             f"{max(r.steps for r in group)} | {sum(r.wall_time_s for r in group) / len(group) / 60:.1f} min |"
         )
+    if all(r.sampled and r.step_time for r in runs):
+        lines += equal_compute_lines(runs, h)
     lines += ["", f"{h} Every run", "", "| method | seed | log dir | val/reward at each evaluation (step: value) |",
               "| --- | --- | --- | --- |"]
     for run in runs:
         series = ", ".join(f"{s}: {v:.3f}" for s, v in run.val)
         lines.append(f"| {run.method} | {run.seed} | `{run.path}` | {series} |")
     if plot is not None:
-        lines += ["", f"![held-out reward against step]({plot.name})"]
+        what = "step, sampled tokens and training wall time" if all(r.sampled for r in runs) else "step"
+        lines += ["", f"![held-out reward against {what}]({plot.name})"]
     if notes:
         lines += ["", notes.strip()]
+    return lines
+
+
+def at_compute(run: Run, budget: float, kind: str) -> float:
+    """``val/reward`` of ``run`` when it had spent ``budget`` (``Run.compute_at``), linear between evaluations."""
+    points = [(run.compute_at(s, kind), v) for s, v in run.val]
+    for (x0, v0), (x1, v1) in zip(points, points[1:]):
+        if x0 <= budget <= x1:
+            return v0 if x1 == x0 else v0 + (v1 - v0) * (budget - x0) / (x1 - x0)
+    raise ValueError(f"{run.path}: budget {budget} outside its evaluations ({points[0][0]}..{points[-1][0]})")
+
+
+def equal_compute_lines(runs: list[Run], h: str) -> list[str]:
+    """The table of what each method reached at the compute every run got to: the fewest sampled tokens (and the
+    least training wall time) of any run, each run's ``val/reward`` there (linear between its evaluations)."""
+    tokens = min(r.compute_at(r.val[-1][0], "tokens") for r in runs)
+    seconds = min(r.compute_at(r.val[-1][0], "seconds") for r in runs)
+    lines = ["", f"{h} At equal compute (mean over seeds; min–max in brackets)", "",
+             "Sampled tokens (`perf/sampled_tokens`) are every token the policy sampled for training -- the training",
+             "rollouts and the methods' and callbacks' one-off rollouts (completions, audits); not held-out",
+             "evaluation, nor value tokens scored or sampled by a critic (those count in the wall time). Training",
+             "wall time is the sum of `perf/step_time` (rollout, update and callbacks; not evaluation). The budgets",
+             f"are what every run reached: {tokens:,.0f} tokens and {seconds:.1f} s; `val/reward` there is linear",
+             "between a run's evaluations.", "",
+             f"| method | tokens / step | s / step | val/reward at {tokens:,.0f} tokens | at {seconds:.1f} s of training |",
+             "| --- | --- | --- | --- | --- |"]
+    for method, group in _by_method(runs).items():
+        per_step = [sum(v for _, v in r.sampled) / len(r.sampled) for r in group]
+        step_s = [sum(v for _, v in r.step_time) / len(r.step_time) for r in group]
+        cells = []
+        for budget, kind in ((tokens, "tokens"), (seconds, "seconds")):
+            vals = [at_compute(r, budget, kind) for r in group]
+            cells.append(f"{sum(vals) / len(vals):.3f} [{min(vals):.3f}–{max(vals):.3f}]")
+        lines.append(f"| {method} | {sum(per_step) / len(per_step):,.0f} | {sum(step_s) / len(step_s):.3f} | "
+                     f"{cells[0]} | {cells[1]} |")
     return lines
 
 
@@ -174,21 +223,31 @@ def write_plot(runs: list[Run], plot: Path, title: str | None = None) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for method, group in _by_method(runs).items():
-        steps = sorted({s for r in group for s, _ in r.val})
-        per_step = [[v for r in group for s2, v in r.val if s2 == s] for s in steps]
-        mean = [sum(v) / len(v) for v in per_step]
-        line = ax.plot(steps, mean, marker="o", markersize=3, label=f"{method} ({len(group)} seed(s))")[0]
-        if len(group) > 1:
-            ax.fill_between(steps, [min(v) for v in per_step], [max(v) for v in per_step],
-                            color=line.get_color(), alpha=0.15)
-    ax.set_xlabel("step (rollout batches)")
-    ax.set_ylabel("val/reward (held-out, greedy exact match)")
-    ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
-    ax.set_title(f"{title}: mean over seeds; shaded: min–max" if title else "Mean over seeds; shaded: min–max")
+    kinds = ["step"] + (["tokens", "seconds"] if all(r.sampled and r.step_time for r in runs) else [])
+    fig, axes = plt.subplots(1, len(kinds), figsize=(8 if len(kinds) == 1 else 15, 4.5), squeeze=False)
+    labels = {"step": "step (rollout batches)", "tokens": "sampled tokens (cumulative perf/sampled_tokens)",
+              "seconds": "training wall time, s (cumulative perf/step_time)"}
+    for ax, kind in zip(axes[0], kinds):
+        for method, group in _by_method(runs).items():
+            steps = sorted({s for r in group for s, _ in r.val})
+            per_step = [[v for r in group for s2, v in r.val if s2 == s] for s in steps]
+            if kind == "step":
+                xs = steps
+            else:  # the mean over seeds of the compute spent by each evaluation
+                xs = [sum(r.compute_at(s, kind) for r in group if any(s2 == s for s2, _ in r.val))
+                      / len([r for r in group if any(s2 == s for s2, _ in r.val)]) for s in steps]
+            mean = [sum(v) / len(v) for v in per_step]
+            line = ax.plot(xs, mean, marker="o", markersize=3, label=f"{method} ({len(group)} seed(s))")[0]
+            if len(group) > 1:
+                ax.fill_between(xs, [min(v) for v in per_step], [max(v) for v in per_step],
+                                color=line.get_color(), alpha=0.15)
+        ax.set_xlabel(labels[kind])
+        ax.set_ylabel("val/reward (held-out, greedy)")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="lower right")
+    heading = f"{title}: mean over seeds; shaded: min–max" if title else "Mean over seeds; shaded: min–max"
+    (axes[0][0].set_title if len(kinds) == 1 else fig.suptitle)(heading)
     fig.tight_layout()
     fig.savefig(plot, dpi=120)
 

@@ -227,8 +227,9 @@ class StepLogging:
         self._step_extra = extra
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        """After every callback's ``on_train_batch_end``: ``perf/step_time``, ``perf/tokens_per_sec`` and the
-        metrics callbacks added (``add_step_metrics``), at the step's index."""
+        """After every callback's ``on_train_batch_end``: ``perf/step_time``, ``perf/tokens_per_sec``,
+        ``perf/sampled_tokens`` (the data module's ``take_sampled_tokens``) and the metrics callbacks added
+        (``add_step_metrics``), at the step's index."""
         pending, extra, started = self._step_pending, self._step_extra or {}, self._step_started
         self._step_pending, self._step_extra, self._step_started = None, None, None
         if pending is None:
@@ -236,6 +237,9 @@ class StepLogging:
         step, rows, tokens, fallback = pending
         seconds = time.perf_counter() - (started if started is not None else fallback)
         perf = {"perf/step_time": torch.tensor(seconds), "perf/tokens_per_sec": torch.tensor(tokens / seconds)}
+        take = getattr(getattr(self.trainer, "datamodule", None), "take_sampled_tokens", None)
+        if callable(take):  # every token sampled in the step, one-off rollouts of callbacks included
+            perf["perf/sampled_tokens"] = torch.tensor(float(take()))
         log_step(self, {**perf, **dict(sorted(extra.items()))}, step, rows, bar=tuple(extra))
 
     def learning_rates(self) -> dict[str, Tensor]:

@@ -165,6 +165,7 @@ class RolloutDataModule(LightningDataModule):
         self._policy: nn.Module | None = None
         self._encoder: PromptEncoder | None = None
         self._injected: list[RolloutBatch] = []
+        self._sampled_tokens = 0  # tokens sampled for training since take_sampled_tokens (perf/sampled_tokens)
 
     # ------------------------------------------------------------------ the learner's side
     def bind(self, policy: nn.Module, tokenizer: Any) -> None:
@@ -297,12 +298,12 @@ class RolloutDataModule(LightningDataModule):
             raise RuntimeError(f"prompt stream out of sync: batch for step {batch.step}, cursor at {self.cursor}")
         if train and self._injected:
             self.cursor += 1
-            return self._injected.pop(0).to(device)
+            return self._counted(self._injected.pop(0).to(device))
         if train and self.async_queue:  # perf/rollout_time: how long the learner waited for it (0: none)
             self.cursor += 1
             start = time.perf_counter()
             produced = self._take_produced().batch.to(device)
-            return replace(produced, rollout_time=time.perf_counter() - start, reward_time=0.0)
+            return self._counted(replace(produced, rollout_time=time.perf_counter() - start, reward_time=0.0))
         if train and not batch.prompts:  # drawn now, with the sampler's weights of this moment
             batch = self.prompt_batch(batch.step)
         engine = self.sync.for_step(policy, self.cursor) if train else self.sync.current(policy, self._version())
@@ -313,7 +314,20 @@ class RolloutDataModule(LightningDataModule):
             raise FloatingPointError(f"rollout at {where}: {err}") from err
         if train:
             self.cursor += 1
+            self._counted(out)
         return out
+
+    def _counted(self, batch: RolloutBatch) -> RolloutBatch:
+        """Count ``batch``'s sampled tokens (its ``loss_mask``: a prefix or observation ids are not sampled)."""
+        self._sampled_tokens += int(batch.loss_mask.sum())
+        return batch
+
+    def take_sampled_tokens(self) -> int:
+        """The tokens this rank sampled for training since the last call -- the training rollouts and every
+        ``rollout_branches`` call (completions, audits), not held-out evaluation -- and start counting again:
+        ``perf/sampled_tokens`` of each step, the compute axis of a study (``experiments/report.py --x tokens``)."""
+        taken, self._sampled_tokens = self._sampled_tokens, 0
+        return taken
 
     def _generate(self, engine: RolloutEngine, step: int) -> RolloutBatch:
         """Stream step ``step``'s training rollout on ``engine`` (the asynchronous producer's work)."""
@@ -388,7 +402,7 @@ class RolloutDataModule(LightningDataModule):
         was_training = policy.training
         policy.eval()
         try:
-            return strategy.continue_from(ctx, branches, step=seed % 2**31)  # environment seeds stay small
+            return self._counted(strategy.continue_from(ctx, branches, step=seed % 2**31))  # env seeds stay small
         finally:
             policy.train(was_training)
 

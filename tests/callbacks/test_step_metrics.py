@@ -101,3 +101,39 @@ def test_callback_metrics_are_reduced_over_ranks(tmp_path):
     tiny_trainer(tmp_path, max_steps=1, callbacks=[SlowAudit(0.0)], logger=points).fit(
         Shifted(model_name_or_path="embedded:random"), datamodule=tiny_datamodule())
     assert points.points["train/audit_error"][0] == 100.5  # through Ranks.mean, like every step metric
+
+
+class OneOffRollouts(Callback):
+    """Makes 3 one-off continuations of 2 of the step's prompts after the update (as an audit does) and keeps the
+    tokens sampled by the step's training rollout and by the one-off rollout."""
+
+    def __init__(self) -> None:
+        self.counts: list[tuple[int, int]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        from rl_lightning.rollout.branching import Branch
+
+        extra = trainer.datamodule.rollout_branches([Branch(p) for p in batch.prompts[:2]], n=3)
+        assert extra.num_rows == 6
+        self.counts.append((int(batch.loss_mask.sum()), int(extra.loss_mask.sum())))
+
+
+def test_sampled_tokens_count_the_training_rollout_and_one_off_rollouts_but_not_evaluation(tmp_path):
+    points, one_off = Points(), OneOffRollouts()
+    trainer = tiny_trainer(tmp_path, max_steps=3, callbacks=[one_off], logger=points, limit_val_batches=None,
+                           val_check_interval=1, check_val_every_n_epoch=None)  # an evaluation after every step
+    trainer.fit(GRPO(model_name_or_path="embedded:random"), datamodule=tiny_datamodule())
+    sampled = points.points["perf/sampled_tokens"]
+    assert sorted(sampled) == [0, 1, 2] and sorted(points.points["val/reward"]) == [0, 1, 2, 3]
+    for step, (train, extra) in enumerate(one_off.counts):
+        assert train > 0 and extra > 0
+        assert sampled[step] == train + extra  # the held-out rollouts between the steps add nothing
+
+
+def test_sampled_tokens_of_a_plain_step_are_its_response_tokens(tmp_path):
+    points = Points()
+    tiny_trainer(tmp_path, max_steps=2, logger=points).fit(GRPO(model_name_or_path="embedded:random"),
+                                                           datamodule=tiny_datamodule())
+    p = points.points
+    for step in (0, 1):  # 16 rows of the tiny data module, the mean response length each
+        assert p["perf/sampled_tokens"][step] == pytest.approx(p["train/response_length"][step] * 16, rel=1e-6)
