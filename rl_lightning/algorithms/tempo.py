@@ -162,6 +162,7 @@ class TEMPO(GRPO):
                                                     self.std_eps)
             values, reward = stats["critic_value"].to(self.device), stats["critic_reward"]
         self._critic_stats = {"train/critic_value": [values.mean()],
+                              "train/critic_value_std": [values.std(unbiased=False)],  # 0: one value for all
                               "train/critic_error": [(values - targets.to(values.device)).abs().mean()],
                               **({"train/critic_reward": [reward.mean()]} if reward is not None else {})}
         return [rows]

@@ -93,7 +93,10 @@ def test_the_critic_rows_are_rewarded_by_accuracy_centred_within_each_states_gro
     reward = -(module.critic.levels()[rows.batch.extras[BIN]].view(4, 3) - y.unsqueeze(1)).abs()
     torch.testing.assert_close(a, reward - reward.mean(dim=1, keepdim=True))
     stats = module.after_update(batch, adv)
-    assert set(stats) == {"train/critic_value", "train/critic_error", "train/critic_reward"}
+    assert set(stats) == {"train/critic_value", "train/critic_value_std", "train/critic_error", "train/critic_reward"}
+    values = module.critic.values(module, module.critic.start_contexts(module, batch)[1])
+    torch.testing.assert_close(stats["train/critic_value_std"][0], values.std(unbiased=False).to(torch.float32),
+                               rtol=1e-5, atol=1e-6)
     # the critic's context is the starting state's history (here the first observation) and the query
     text = module.tokenizer.decode(rows.batch.input_ids[0][rows.batch.attention_mask[0].bool()][:-1].tolist(),
                                    skip_special_tokens=False)
@@ -154,4 +157,5 @@ def test_the_cross_entropy_critic_trains_the_nearest_bin_of_each_states_target()
     (rows,) = module.auxiliary_rows(batch, adv)
     assert rows.batch.num_rows == 4  # one row per starting state
     assert rows.batch.extras[BIN].tolist() == nearest_bin(adv.rows[TARGET][::4], module.critic.levels()).tolist()
-    assert set(module.after_update(batch, adv)) == {"train/critic_value", "train/critic_error"}
+    assert set(module.after_update(batch, adv)) == {"train/critic_value", "train/critic_value_std",
+                                                     "train/critic_error"}
