@@ -290,3 +290,20 @@ def test_ddp_auxiliary_rows_pad_to_equal_backwards_and_join_the_one_process_grad
         _assert_grads_close(g0, grads, f"step {step} (auxiliary rows)")
     for rank in (0, 1):
         assert json.loads((out / f"rank_value{rank}.json").read_text()) == 0.5
+
+
+@pytest.mark.parametrize("method", ["tempo", "ac2"])
+def test_ddp_branching_methods_keep_the_ranks_in_step(method, tmp_path_factory):
+    """TEMPO past its warm-up (each rank replays its own saved states and asks its critic at cut ends) and AC2
+    (completions of unready chunks, FullRolloutAudit on every candidate) on 2 processes: every step completes on
+    both ranks (the collectives match) and the ranks end with the same weights."""
+    _, out = _ddp(method, tmp_path_factory)
+    r0 = json.loads((out / "rank0.json").read_text())
+    r1 = json.loads((out / "rank1.json").read_text())
+    assert r0["world_size"] == r1["world_size"] == 2
+    assert len(r0["loss"]) == len(r1["loss"]) == 4 and r0["loss"] == r1["loss"]  # logged: averaged over ranks
+    assert r0["params"] == r1["params"] and r0["param_sum"] == r1["param_sum"]
+    if method == "tempo":  # the last step is in the TD phase, with saved states
+        assert r0["metrics"]["train/tempo_warmup"] == 0.0 and r0["metrics"]["train/replayed_states"] > 0
+    else:
+        assert r0["metrics"]["train/completed"] > 0

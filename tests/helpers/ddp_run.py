@@ -147,6 +147,7 @@ class Dump(Callback):
             "params": flat.tolist()[:2000],
             "prompt_ids": self.prompt_ids,
         }
+        record["metrics"] = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
         if hasattr(pl_module, "tracker"):  # SPO: the per-prompt tracker, to compare across ranks
             record["tracker"] = sorted([uid, a, b] for uid, (a, b) in pl_module.tracker.items())
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
@@ -158,6 +159,7 @@ def main() -> None:
     torch.set_num_threads(1)
     method = sys.argv[2] if len(sys.argv) > 2 else "grpo"
     optimizer = lambda p: torch.optim.AdamW(p, lr=1e-3)  # noqa: E731
+    extra_callbacks: list[Callback] = []
     if method == "grpo":  # unclipped, so the gradient the optimiser sees is the raw DDP average
         module = GRPO(model_name_or_path="embedded:arithmetic", optimizer=optimizer, max_grad_norm=None)
         dump = Dump(out, GRPO_AGGREGATION)
@@ -176,14 +178,34 @@ def main() -> None:
         module = SPO(model_name_or_path="embedded:arithmetic", optimizer=optimizer)
         dump = Dump(out)
         data = tiny_datamodule(prompts_per_step=4, group_size=1, prompt_sampler=WeightedSampler(pool_size=6))
+    elif method in ("tempo", "ac2"):  # branches from saved states; TEMPO past its warm-up, AC2 with its audits
+        from rl_lightning.algorithms import AC2, TEMPO
+        from rl_lightning.callbacks import FullRolloutAudit
+        from rl_lightning.envs import ArithmeticTask, GuessNumberTask
+        from rl_lightning.rollout import BranchRollout, RolloutDataModule
+
+        dump = Dump(out)
+        if method == "tempo":
+            module = TEMPO(model_name_or_path="embedded:guess", horizon=1, warmup_steps=1, replay=2,
+                           optimizer=optimizer)
+            data = RolloutDataModule(task=GuessNumberTask(), prompts_per_step=4, group_size=4, max_new_tokens=3,
+                                     strategy=BranchRollout(n=4, max_turns=5, max_episode_tokens=32), seed=0)
+        else:
+            module = AC2(model_name_or_path="embedded:arithmetic_hard", chunk_tokens=2, replay=2,
+                         optimizer=optimizer)
+            data = RolloutDataModule(task=ArithmeticTask(num_digits=3, num_heldout=8), prompts_per_step=4,
+                                     group_size=4, max_new_tokens=6, strategy=BranchRollout(n=4, max_turns=1), seed=0)
+        extra_callbacks = [FullRolloutAudit(fraction=1.0)] if method == "ac2" else []
     else:  # every parameter of a separate critic must receive a gradient, or plain DDP refuses the step
         module = PPO(model_name_or_path="embedded:arithmetic", critic="separate", optimizer=optimizer)
         dump = Dump(out)
         data = tiny_datamodule(prompts_per_step=4)
     trainer = Trainer(
-        accelerator="cpu", devices=2, strategy="ddp", max_steps=3 if method == "spo" else 2, logger=False, enable_checkpointing=False,
+        accelerator="cpu", devices=2, strategy="ddp", max_steps={"spo": 3, "tempo": 4, "ac2": 4}.get(method, 2),
+        logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-        default_root_dir=str(out), callbacks=[dump] + ([RankValue()] if method == "grpo-aux" else []),
+        default_root_dir=str(out),
+        callbacks=[dump] + ([RankValue()] if method == "grpo-aux" else []) + extra_callbacks,
     )
     trainer.fit(module, datamodule=data)
 
