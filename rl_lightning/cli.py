@@ -49,7 +49,8 @@ from rl_lightning import config_check, runs
 from rl_lightning.callbacks import compat
 from rl_lightning.algorithms.base import RLModule
 from rl_lightning.callbacks.progress import RLProgressBar
-from rl_lightning.callbacks.safety import FailureDump, GracefulInterrupt, RunInterrupted, RunStopped, checkpoint_dir
+from rl_lightning.callbacks.safety import (FailureDump, FinalCheckpoint, GracefulInterrupt, RunInterrupted, RunStopped,
+                                          checkpoint_dir)
 from rl_lightning.cli_parser import ConfigParseError, Parser
 from rl_lightning.replay import replay_main
 from rl_lightning.rollout.datamodule import RolloutDataModule
@@ -103,14 +104,15 @@ def _logger_config(config: Namespace) -> Namespace | None:
 def run_callbacks(identity: dict[str, Any], trainer_config: dict[str, Any]) -> list[Callback]:
     """The callbacks every run of the CLI has, after the configured ones (``trainer_defaults["callbacks"]``).
 
-    ``identity`` (``runs.run_identity``) goes into every checkpoint; ``GracefulInterrupt`` and ``FailureDump``
-    join unless ``trainer_config`` (the instantiated ``trainer`` settings) holds one already; ``RLProgressBar``
+    ``identity`` (``runs.run_identity``) goes into every checkpoint; ``GracefulInterrupt``, ``FailureDump`` and
+    ``FinalCheckpoint`` join unless ``trainer_config`` (the instantiated ``trainer`` settings) holds one already; ``RLProgressBar``
     unless it disables the bar or sets another one.
     """
     given = trainer_config.get("callbacks") or []
     given = given if isinstance(given, list) else [given]
     callbacks: list[Callback] = [_RunLineage(identity)]
-    callbacks += [cls() for cls in (GracefulInterrupt, FailureDump) if not any(isinstance(cb, cls) for cb in given)]
+    callbacks += [cls() for cls in (GracefulInterrupt, FailureDump, FinalCheckpoint)
+                  if not any(isinstance(cb, cls) for cb in given)]
     if trainer_config.get("enable_progress_bar") is not False and not any(isinstance(cb, ProgressBar) for cb in given):
         callbacks.append(RLProgressBar())
     return callbacks

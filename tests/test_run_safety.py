@@ -406,3 +406,44 @@ def test_failure_snapshots_do_not_log_a_line_every_step(tmp_path, monkeypatch):
     finally:
         logger.removeHandler(handler)
     assert [r.getMessage() for r in records if "weights_only" in r.getMessage()] == []
+
+
+@pytest.mark.parametrize("final", [False, True])
+def test_a_run_ending_between_two_periodic_saves_gets_the_last_checkpoint_of_its_final_step(tmp_path, final):
+    """Lightning's ModelCheckpoint (every_n_train_steps=2, save_last) leaves the last.ckpt of step 2 after a run of
+    3 steps; FinalCheckpoint (which the CLI adds to every run) writes the one of step 3."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from rl_lightning.algorithms import GRPO
+    from rl_lightning.callbacks import FinalCheckpoint
+    from tests.conftest import tiny_datamodule, tiny_trainer
+
+    checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_last=True, save_top_k=-1)
+    trainer = tiny_trainer(tmp_path, max_steps=3, enable_checkpointing=True,
+                           callbacks=([FinalCheckpoint()] if final else []) + [checkpoints])
+    trainer.fit(GRPO(model_name_or_path="embedded:random"), datamodule=tiny_datamodule())
+    step = torch.load(tmp_path / "ckpt" / "last.ckpt", map_location="cpu", weights_only=False)["global_step"]
+    assert step == (3 if final else 2)
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("*.ckpt")) == ["epoch=0-step=2.ckpt", "last.ckpt"]
+
+
+def test_final_checkpoint_writes_nothing_more_when_the_last_save_was_the_final_step(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from rl_lightning.algorithms import GRPO
+    from rl_lightning.callbacks import FinalCheckpoint
+    from tests.conftest import tiny_datamodule, tiny_trainer
+
+    trainer = tiny_trainer(tmp_path, max_steps=2, enable_checkpointing=True,
+                           callbacks=[FinalCheckpoint(), ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2,
+                                                                         save_last=True, save_top_k=-1)])
+    saved: list[tuple[str, int]] = []
+    save = trainer.save_checkpoint
+
+    def counted(filepath, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        saved.append((Path(filepath).name, trainer.global_step))
+        return save(filepath, *args, **kwargs)
+
+    trainer.save_checkpoint = counted  # every write, ModelCheckpoint's and FinalCheckpoint's, goes through it
+    trainer.fit(GRPO(model_name_or_path="embedded:random"), datamodule=tiny_datamodule())
+    assert saved == [("epoch=0-step=2.ckpt", 2), ("last.ckpt", 2)]  # once each, at step 2

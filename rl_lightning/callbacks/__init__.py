@@ -5,10 +5,11 @@ from rl_lightning.callbacks.audit import FullRolloutAudit
 from rl_lightning.callbacks.critic import CriticWarmup, FreezeCriticModules
 from rl_lightning.callbacks.kl import KLRegularizer
 from rl_lightning.callbacks.progress import RLProgressBar
-from rl_lightning.callbacks.safety import AtomicCheckpointIO, FailureDump, GracefulInterrupt, RunInterrupted
+from rl_lightning.callbacks.safety import (AtomicCheckpointIO, FailureDump, FinalCheckpoint, GracefulInterrupt,
+                                          RunInterrupted)
 from rl_lightning.callbacks.samples import RolloutSamples
 
 __all__ = [
-    "AtomicCheckpointIO", "CriticWarmup", "FailureDump", "FullRolloutAudit", "FreezeCriticModules", "GracefulInterrupt", "KLRegularizer",
+    "AtomicCheckpointIO", "CriticWarmup", "FailureDump", "FinalCheckpoint", "FullRolloutAudit", "FreezeCriticModules", "GracefulInterrupt", "KLRegularizer",
     "RLProgressBar", "RolloutSamples", "RunInterrupted",
 ]

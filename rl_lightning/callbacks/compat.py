@@ -27,6 +27,19 @@ def dump_checkpoint(trainer: Trainer) -> dict[str, Any]:
     return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
 
 
+def stale_last_checkpoint(callback: Any, trainer: Trainer) -> bool:
+    """Whether ``callback`` (a ``ModelCheckpoint`` with ``save_last``) wrote a ``last`` checkpoint during the run
+    but not at its final step -- which its own ``on_train_end`` then leaves as it is.
+
+    lightning 2.6.6: ``ModelCheckpoint.on_train_end`` (callbacks/model_checkpoint.py:535) saves ``last`` only when
+    ``_last_checkpoint_saved`` is empty, i.e. when nothing was saved before, so a run of 120 steps with
+    ``every_n_train_steps: 50`` ends with the ``last.ckpt`` of step 100; ``_last_global_step_saved``
+    (model_checkpoint.py:601) is the step of its latest save.
+    """
+    return bool(callback.save_last) and bool(callback._last_checkpoint_saved) and (
+        callback._last_global_step_saved != trainer.global_step)
+
+
 def set_purge_step(logger: TensorBoardLogger, step: int) -> None:
     """Make the logger's event writer drop the events at and after ``step`` (a resumed run's curves continue).
 

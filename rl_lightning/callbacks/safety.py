@@ -8,8 +8,10 @@
 * ``FailureDump``: when a training step raises (a non-finite loss or gradient, a reward function that raises,
   ...), the step's rollout batch, its RNG state and the state at the start of the step are written to
   ``<run>/failures/step_<k>/``; ``rl-lightning replay <that directory>`` re-runs exactly that update.
+* ``FinalCheckpoint``: a run that ends between two ``every_n_train_steps`` saves gets the ``last.ckpt`` of its
+  final step (Lightning keeps the earlier one).
 
-The CLI adds all three to every run (``trainer.plugins`` defaults to ``AtomicCheckpointIO``; the two callbacks join
+The CLI adds all four to every run (``trainer.plugins`` defaults to ``AtomicCheckpointIO``; the callbacks join
 unless the configuration already holds an instance); in Python, pass them to the ``Trainer`` yourself.
 """
 
@@ -170,6 +172,21 @@ class GracefulInterrupt(Callback):
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._restore()
+
+
+class FinalCheckpoint(Callback):
+    """At the end of a run, write ``last.ckpt`` of its final step when the ``ModelCheckpoint`` (``save_last``)
+    last wrote it at an earlier step: with ``every_n_train_steps: 50`` and ``max_steps: 120`` Lightning keeps
+    the ``last.ckpt`` of step 100 (``compat.stale_last_checkpoint``), and ``--ckpt_path last`` would train
+    steps 100-119 again. Runs before the ``ModelCheckpoint``'s own ``on_train_end`` (Lightning calls checkpoint
+    callbacks last), every rank (the save is collective)."""
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        callback = trainer.checkpoint_callback
+        if isinstance(callback, ModelCheckpoint) and compat.stale_last_checkpoint(callback, trainer):
+            path = checkpoint_dir(trainer) / f"{ModelCheckpoint.CHECKPOINT_NAME_LAST}{ModelCheckpoint.FILE_EXTENSION}"
+            trainer.save_checkpoint(path)
+            callback.last_model_path = str(path)
 
 
 class RunInterrupted(Exception):
