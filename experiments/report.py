@@ -231,11 +231,9 @@ def write_plot(runs: list[Run], plot: Path, title: str | None = None) -> None:
         for method, group in _by_method(runs).items():
             steps = sorted({s for r in group for s, _ in r.val})
             per_step = [[v for r in group for s2, v in r.val if s2 == s] for s in steps]
-            if kind == "step":
-                xs = steps
-            else:  # the mean over seeds of the compute spent by each evaluation
-                xs = [sum(r.compute_at(s, kind) for r in group if any(s2 == s for s2, _ in r.val))
-                      / len([r for r in group if any(s2 == s for s2, _ in r.val)]) for s in steps]
+            xs = steps if kind == "step" else [  # the mean over seeds of the compute spent by each evaluation
+                sum(spent) / len(spent) for spent in
+                ([r.compute_at(s, kind) for r in group if s in dict(r.val)] for s in steps)]
             mean = [sum(v) / len(v) for v in per_step]
             line = ax.plot(xs, mean, marker="o", markersize=3, label=f"{method} ({len(group)} seed(s))")[0]
             if len(group) > 1:

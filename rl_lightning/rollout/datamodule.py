@@ -325,7 +325,7 @@ class RolloutDataModule(LightningDataModule):
     def take_sampled_tokens(self) -> int:
         """The tokens this rank sampled for training since the last call -- the training rollouts and every
         ``rollout_branches`` call (completions, audits), not held-out evaluation -- and start counting again:
-        ``perf/sampled_tokens`` of each step, the compute axis of a study (``experiments/report.py --x tokens``)."""
+        ``perf/sampled_tokens`` of each step, a study's compute axis (``experiments/report.py`` plots against it)."""
         taken, self._sampled_tokens = self._sampled_tokens, 0
         return taken
 

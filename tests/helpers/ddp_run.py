@@ -195,7 +195,7 @@ def main() -> None:
                          optimizer=optimizer)
             data = RolloutDataModule(task=ArithmeticTask(num_digits=3, num_heldout=8), prompts_per_step=4,
                                      group_size=4, max_new_tokens=6, strategy=BranchRollout(n=4, max_turns=1), seed=0)
-        extra_callbacks = [FullRolloutAudit(fraction=1.0)] if method == "ac2" else []
+            extra_callbacks = [FullRolloutAudit(fraction=1.0)]
     else:  # every parameter of a separate critic must receive a gradient, or plain DDP refuses the step
         module = PPO(model_name_or_path="embedded:arithmetic", critic="separate", optimizer=optimizer)
         dump = Dump(out)
