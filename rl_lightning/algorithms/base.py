@@ -231,6 +231,7 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
             self._optimizer_step(optimizer, metrics, iteration, index, last=done == len(plan) - 1)
         self.forwarded_rows = forwarded
         metrics.add("train/skipped_rows", skipped.float().mean() if skipped is not None else forwarded.new_zeros((), dtype=torch.float))
+        metrics.add("perf/optimizer_steps", forwarded.new_tensor(float(len(plan)), dtype=torch.float))
         optimizer.zero_grad()
         stats = metrics.finish(self.ranks.sum if self.ranks.world_size > 1 else None)
         return {**before, **stats, **self.after_update(batch, adv)}

@@ -290,4 +290,5 @@ class TRPO(RLModule):
         stats.update(step_metrics(accepted, g, full_step, s_old, old_logp, logprobs, batch, self.backtrack_iters))
         for key, value in term_stats.items():
             stats[key] = [getattr(value, "value", value).detach().float()]
+        stats["perf/optimizer_steps"] = [mask.new_tensor(1.0, dtype=torch.float)]  # one trust-region step
         return stats

@@ -20,8 +20,14 @@ __all__ = ["ExactMatchReward", "Prompt", "RewardError", "RewardFunction", "Task"
 
 
 class Task(ABC):
-    """A task: a seeded training stream of prompts, a fixed held-out set, a default verifier, and the environment
-    an episode on a prompt runs in (``make_env``; one answer scored by the verifier unless a task says otherwise)."""
+    """A task: a seeded training stream of prompts, two fixed held-out splits, a default verifier, and the
+    environment an episode on a prompt runs in (``make_env``; one answer scored by the verifier unless a task says
+    otherwise).
+
+    The two held-out splits are the *test* split (``heldout_prompts``: what studies report) and the *validation*
+    split (``validation_prompts``: what settings are tuned on). Neither is ever drawn by ``train_prompt``, and the
+    two share no problem (docs/environments.md#splits). The data module evaluates one of them (its ``eval_split``).
+    """
 
     @abstractmethod
     def train_prompt(self, index: int) -> Prompt:
@@ -29,7 +35,13 @@ class Task(ABC):
 
     @abstractmethod
     def heldout_prompts(self) -> list[Prompt]:
-        """The fixed held-out prompts (never drawn by ``train_prompt``), in a fixed order."""
+        """The test split: fixed held-out prompts (never drawn by ``train_prompt``), in a fixed order."""
+
+    def validation_prompts(self) -> list[Prompt]:
+        """The validation split: fixed prompts, in a fixed order, apart from the training stream and from the test
+        split (``heldout_prompts``); settings are chosen on it. A task without one raises ``NotImplementedError``
+        (the data module turns that into a one-line configuration error when ``eval_split="validation"``)."""
+        raise NotImplementedError(f"{type(self).__name__} has no validation split")
 
     def default_reward(self) -> RewardFunction:
         """The verifier used when the data module is given no ``reward_fn``."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Any, Callable, Iterator, get_args
+from typing import Any, Callable, Iterator, Literal, get_args
 
 import torch
 from lightning.pytorch import LightningDataModule
@@ -68,6 +68,9 @@ class RolloutDataModule(LightningDataModule):
         reward_fn: reward function; ``None`` uses the task's verifier (exact match by default).
         val_batch_size: held-out prompts per greedy validation batch (per device).
         num_val_prompts: use only the first ``num_val_prompts`` held-out prompts (``None``: all).
+        eval_split: the held-out split that ``val/reward`` is measured on: ``"test"`` (the task's
+            ``heldout_prompts``, what studies report) or ``"validation"`` (its ``validation_prompts``, what
+            settings are tuned on; a task without one is refused). docs/environments.md#splits.
         add_bos: prepend the tokenizer's BOS token to every prompt (when it has one).
         use_chat_template: wrap each prompt as a user message with the tokenizer's chat template.
         seed: seeds sampling; step ``k`` on rank ``r`` draws from a generator seeded by ``(seed, r, k)``.
@@ -106,6 +109,7 @@ class RolloutDataModule(LightningDataModule):
         reward_fn: RewardFunction | None = None,
         val_batch_size: int = 256,
         num_val_prompts: int | None = None,
+        eval_split: Literal["test", "validation"] = "test",
         add_bos: bool = True,
         use_chat_template: bool = False,
         seed: int = 0,
@@ -123,6 +127,7 @@ class RolloutDataModule(LightningDataModule):
             "max_new_tokens": max_new_tokens >= 1, "temperature": temperature > 0,
             "top_p": 0 < top_p <= 1, "sampler_sync_interval": sampler_sync_interval >= 1,
             "val_batch_size": val_batch_size >= 1, "num_val_prompts": num_val_prompts is None or num_val_prompts >= 0,
+            "eval_split": eval_split in ("test", "validation"),
             "record_topk": record_topk >= 0, "record_aux_draws": record_aux_draws >= 0,
             "sampler_dtype": sampler_dtype is None or sampler_dtype in get_args(DType),
             "async_queue": async_queue >= 0, "max_staleness": max_staleness >= 0,
@@ -141,6 +146,7 @@ class RolloutDataModule(LightningDataModule):
         self.reward_fn = reward_fn if reward_fn is not None else task.default_reward()
         self.val_batch_size = val_batch_size
         self.num_val_prompts = num_val_prompts
+        self.eval_split = eval_split
         self.add_bos = add_bos
         self.use_chat_template = use_chat_template
         self.seed = seed
@@ -235,7 +241,14 @@ class RolloutDataModule(LightningDataModule):
         return PromptBatch("train", step, indices, [self.task.train_prompt(i) for i in indices])
 
     def heldout_prompts(self) -> list[Prompt]:
-        prompts = self.task.heldout_prompts()
+        """The evaluated prompts: the task's ``eval_split`` (its first ``num_val_prompts`` when set)."""
+        if self.eval_split == "test":
+            prompts = self.task.heldout_prompts()
+        else:
+            try:
+                prompts = self.task.validation_prompts()
+            except NotImplementedError as err:
+                raise ValueError(f"data.init_args.eval_split='validation': {err} (docs/environments.md#splits)") from None
         return prompts if self.num_val_prompts is None else prompts[: self.num_val_prompts]
 
     def val_prompt_batches(self) -> list[PromptBatch]:

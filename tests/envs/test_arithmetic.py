@@ -141,3 +141,23 @@ def test_num_heldout_just_below_total_is_fine():
     assert {task.train_prompt(i).text for i in range(20)} == {
         f"{a}+{b}=" for a in range(10) for b in range(10)
     } - held
+
+
+def test_validation_split_is_apart_from_test_and_training_and_keeps_the_test_split():
+    plain = ArithmeticTask(num_heldout=300, seed=7)
+    task = ArithmeticTask(num_heldout=300, num_validation=200, seed=7)
+    test = [p.text for p in task.heldout_prompts()]
+    validation = [p.text for p in task.validation_prompts()]
+    assert test == [p.text for p in plain.heldout_prompts()]  # adding a validation split keeps the test split
+    assert len(validation) == len(set(validation)) == 200 and not set(validation) & set(test)
+    held = set(test) | set(validation)
+    assert not any(task.train_prompt(i).text in held for i in range(3000))
+    assert validation == [p.text for p in ArithmeticTask(num_heldout=300, num_validation=200, seed=7).validation_prompts()]
+    # without one (num_validation=0, the default) the training stream is the one of the earlier studies: these
+    # prompts were printed by the code before the validation split existed
+    assert [ArithmeticTask().train_prompt(i).text for i in (0, 1, 2, 100, 1000)] == [
+        "81+78=", "76+19=", "69+65=", "22+59=", "92+90="]
+    with pytest.raises(NotImplementedError, match="num_validation > 0"):
+        plain.validation_prompts()
+    with pytest.raises(ValueError, match="num_heldout \\+ num_validation"):
+        ArithmeticTask(num_digits=1, num_heldout=50, num_validation=50)
