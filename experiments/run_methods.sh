@@ -1,4 +1,7 @@
 #!/usr/bin/env bash
+# LEGACY: the pre-protocol runner of the older studies (3 seeds, TensorBoard logs, report.py). New comparisons use
+# experiments/study.py (pinned setup, validation split, per-item outcomes, CIs and paired tests, config hashes):
+# docs/results.md#the-protocol. This script stays so that the older sections' "Command:" lines still run.
 # Train every listed method from the same warm start, on the same prompt stream and budget, for each seed,
 # then write the study's section of experiments/studies/<study>/README.md and its plot from the TensorBoard logs.
 #
