@@ -222,7 +222,8 @@ def _uncommitted_digest() -> str:
 
 def run_env(study: Study) -> dict[str, str]:
     env = {**os.environ, **PINS[study.kernel]}
-    env.update(OMP_NUM_THREADS=str(study.threads), MKL_NUM_THREADS=str(study.threads), HF_HUB_OFFLINE="1")
+    env.update(OMP_NUM_THREADS=str(study.threads), MKL_NUM_THREADS=str(study.threads), HF_HUB_OFFLINE="1",
+               PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))  # this checkout's code
     return env
 
 
