@@ -307,3 +307,35 @@ def test_ddp_branching_methods_keep_the_ranks_in_step(method, tmp_path_factory):
         assert r0["metrics"]["train/tempo_warmup"] == 0.0 and r0["metrics"]["train/replayed_states"] > 0
     else:
         assert r0["metrics"]["train/completed"] > 0
+
+
+def test_ddp_evaluation_gathers_every_items_outcome_in_heldout_order(tmp_path_factory):
+    """Each held-out item's reward comes from the rank that evaluated it (8 + 7 items, in batches of 4), the file
+    lists all 15 in held-out order, their mean is the logged val/reward, and before any update they are the
+    outcomes of one process evaluating the same warm start."""
+    import csv
+
+    from rl_lightning.algorithms import GRPO
+    from rl_lightning.envs import ArithmeticTask
+    from tests.conftest import tiny_datamodule, tiny_trainer
+
+    _, out = _ddp("grpo-eval", tmp_path_factory)
+    items: dict[int, list[tuple[int, float]]] = {}
+    with open(out / "run" / "version_0" / "eval_items.csv", newline="") as f:
+        for row in csv.DictReader(f):
+            items.setdefault(int(row["step"]), []).append((int(row["item"]), float(row["reward"])))
+    logged: dict[int, float] = {}
+    with open(out / "run" / "version_0" / "metrics.csv", newline="") as f:
+        for row in csv.DictReader(f):
+            if row.get("val/reward"):
+                logged[int(row["step"])] = float(row["val/reward"])
+    assert sorted(items) == sorted(logged) == [0, 1, 2]
+    for step, rows in items.items():
+        assert [i for i, _ in rows] == list(range(15)) and all(r in (0.0, 1.0) for _, r in rows)
+        assert sum(r for _, r in rows) / 15 == pytest.approx(logged[step], abs=1e-6)  # k/15 in float32: 1 ulp
+    module = GRPO(model_name_or_path="embedded:arithmetic")
+    data = tiny_datamodule(prompts_per_step=4, task=ArithmeticTask(num_heldout=15), val_batch_size=4)
+    tiny_trainer(tmp_path_factory.mktemp("one"), max_steps=0).fit(module, datamodule=data)
+    got: dict[int, float] = {}
+    data.evaluate(on_batch=lambda b: got.update(zip(b.prompt_index.tolist(), b.rewards.tolist())))
+    assert [got[i] for i in range(15)] == [r for _, r in items[0]]

@@ -49,6 +49,18 @@ class _TrainStream(IterableDataset):
             step += 1
 
 
+class _HeldoutBatches(IterableDataset):
+    """This rank's held-out prompt batches, every one of them. An iterable, so Lightning never shards it again with
+    a distributed sampler: the prompts are already split between ranks (``val_prompt_batches``), and a sampler over
+    the batch list would give each rank only some of its own batches."""
+
+    def __init__(self, batches: list[PromptBatch]) -> None:
+        self.batches = batches
+
+    def __iter__(self) -> Iterator[PromptBatch]:
+        return iter(self.batches)
+
+
 class RolloutDataModule(LightningDataModule):
     """Generates on-device rollout batches each step for any algorithm.
 
@@ -265,7 +277,8 @@ class RolloutDataModule(LightningDataModule):
         return DataLoader(_TrainStream(self), batch_size=None, num_workers=0)
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_prompt_batches(), batch_size=None, num_workers=0, collate_fn=lambda b: b)
+        return DataLoader(_HeldoutBatches(self.val_prompt_batches()), batch_size=None, num_workers=0,
+                          collate_fn=lambda b: b)
 
     # ------------------------------------------------------------------ rollouts
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:

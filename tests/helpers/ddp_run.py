@@ -12,7 +12,9 @@ the default aggregation) with ``micro_batch_size=2`` and every reward on rank 0 
 rows while rank 1 forwards some, so the ranks must still agree on the number of backward passes. ``grpo-aux`` is
 ``grpo-skip``'s setting with GRPO's rewards and ``AUX_ROWS[rank]`` auxiliary rows per rank (1 and 3, micro-batches of
 one row: the ranks pad to the same number of backward passes), and a callback that adds ``train/rank_value`` (the
-rank) with ``add_step_metrics``; ``rank{r}.json`` holds its logged value.
+rank) with ``add_step_metrics``; ``rank{r}.json`` holds its logged value. ``grpo-eval`` is GRPO with a held-out
+evaluation before and after every step (15 held-out prompts: 8 on rank 0, 7 on rank 1, in batches of 4), logged by a
+``CSVLogger`` into ``OUT_DIR/run/version_0`` (``metrics.csv``, ``eval_items.csv``).
 """
 
 from __future__ import annotations
@@ -174,6 +176,12 @@ def main() -> None:
                          micro_batch_size=1)
         dump = Dump(out)
         data = tiny_datamodule(prompts_per_step=4, reward_fn=GradedMatch())
+    elif method == "grpo-eval":  # per-item outcomes gathered over ranks
+        from rl_lightning.envs import ArithmeticTask
+
+        module = GRPO(model_name_or_path="embedded:arithmetic", optimizer=optimizer)
+        dump = Dump(out)
+        data = tiny_datamodule(prompts_per_step=4, task=ArithmeticTask(num_heldout=15), val_batch_size=4)
     elif method == "spo":  # a pool of 6 prompts, 4 per step: the ranks revisit each other's prompts
         module = SPO(model_name_or_path="embedded:arithmetic", optimizer=optimizer)
         dump = Dump(out)
@@ -200,11 +208,16 @@ def main() -> None:
         module = PPO(model_name_or_path="embedded:arithmetic", critic="separate", optimizer=optimizer)
         dump = Dump(out)
         data = tiny_datamodule(prompts_per_step=4)
+    evaluation: dict[str, Any] = dict(logger=False, limit_val_batches=0)
+    if method == "grpo-eval":
+        from lightning.pytorch.loggers import CSVLogger
+
+        evaluation = dict(logger=CSVLogger(str(out), name="run", version=0), limit_val_batches=1.0,
+                          val_check_interval=1, check_val_every_n_epoch=None)
     trainer = Trainer(
         accelerator="cpu", devices=2, strategy="ddp", max_steps={"spo": 3, "tempo": 4, "ac2": 4}.get(method, 2),
-        logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-        default_root_dir=str(out),
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        default_root_dir=str(out), **evaluation,
         callbacks=[dump] + ([RankValue()] if method == "grpo-aux" else []) + extra_callbacks,
     )
     trainer.fit(module, datamodule=data)
