@@ -43,12 +43,16 @@ class AuxiliaryRows:
             under names of their own (``metrics.Summed`` for a share of the loss).
         extra_ids: ``[n, T, J]`` ids at which the forward also scores each position (``out.extra_logprobs``, from
             the same forward: a value-token grid, ``generative_critic.GenerativeCritic``); ``None``: none.
+        model: the model that scores the rows (``None``: the policy), e.g. a generative critic's weights of its own
+            (``GenerativeCritic(weights="own")``): its parameters must be in the module's optimiser and
+            ``trainable_parameters``.
     """
 
     batch: RolloutBatch
     weights: Tensor
     loss: AuxiliaryLoss
     extra_ids: Tensor | None = None
+    model: Any = None
 
     def __post_init__(self) -> None:
         if tuple(self.weights.shape) != tuple(self.batch.loss_mask.shape):
@@ -98,7 +102,8 @@ def run_auxiliary(module: Any, micros: list[AuxiliaryMicro], metrics: UpdateMetr
     added to the step's (``metrics.add_loss``)."""
     for item, rows, scale in micros:
         rows_batch, weights = item.batch.select(rows), item.weights[rows] * scale
-        out = module.forward_policy(rows_batch, extra_ids=None if item.extra_ids is None else item.extra_ids[rows])
+        out = module.forward_policy(rows_batch, model=item.model,
+                                    extra_ids=None if item.extra_ids is None else item.extra_ids[rows])
         loss, stats = item.loss(rows_batch, out, weights)
         check_finite(loss.detach(), "auxiliary loss", module.global_step, iteration, index)
         if loss.requires_grad:

@@ -22,11 +22,12 @@ NOTES §10, §11). TEMPO and AC2 share it; it holds no parameters of its own.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
-from typing import Any
+from typing import Any, Literal
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from rl_lightning.algorithms.auxiliary import AuxiliaryRows
 from rl_lightning.algorithms.forward import sequences_batch
@@ -82,12 +83,15 @@ class GenerativeCritic:
             (``None``: none).
         reasoning_tokens: tokens the policy may write before the query (0: none; see the module docstring).
         reasoning_prompt: text that opens the reasoning (with ``reasoning_tokens > 0``).
+        weights: ``"shared"``: the critic is the policy itself (its value tokens are trained on the actor's weights);
+            ``"own"``: a copy of the initial policy that only the critic reads and trains (``attach``), so value-token
+            training cannot pull the actor's outputs towards the value tokens (docs/algorithms.md, TEMPO).
     """
 
     def __init__(self, value_tokens: tuple[str, ...] = tuple("abcdefghijk"),
                  value_range: tuple[float, float] = (0.0, 1.0), query: str = " V:", instruction: str = "",
                  privileged: str | None = None, reasoning_tokens: int = 0,
-                 reasoning_prompt: str = " Think:") -> None:
+                 reasoning_prompt: str = " Think:", weights: Literal["shared", "own"] = "shared") -> None:
         if len(value_tokens) < 2 or len(value_range) != 2 or not value_range[0] < value_range[1]:
             raise ValueError(f"GenerativeCritic: needs >= 2 value_tokens and value_range [R_min, R_max] with "
                              f"R_min < R_max, got {list(value_tokens)}, {list(value_range)}")
@@ -96,7 +100,34 @@ class GenerativeCritic:
         if reasoning_tokens < 0:
             raise ValueError(f"GenerativeCritic: reasoning_tokens must be >= 0, got {reasoning_tokens}")
         self.reasoning_tokens, self.reasoning_prompt = reasoning_tokens, reasoning_prompt
+        if weights not in ("shared", "own"):
+            raise ValueError(f"GenerativeCritic: weights must be 'shared' or 'own', got {weights!r}")
+        self.weights = weights
+        self.model: nn.Module | None = None  # weights="own": the critic's copy of the policy (``attach``)
         self.calls = 0  # contexts valued by ``values``
+
+    def attach(self, policy: nn.Module) -> nn.Module | None:
+        """With ``weights="own"``, the critic's model: a copy of ``policy`` (as it is now: the warm start) that the
+        critic reads and trains from here on. The method registers it as a submodule (so it is checkpointed,
+        moved and optimised: ``parameter_groups``) and lists its parameters in ``trainable_parameters``.
+        ``None`` with ``weights="shared"``."""
+        self.model = copy.deepcopy(policy) if self.weights == "own" else None
+        return self.model
+
+    def parameter_groups(self) -> list[dict[str, Any]]:
+        """The optimiser group of the critic's own weights (``[]`` when shared), the policy's settings."""
+        return [] if self.model is None else [{"params": list(self.model.parameters()), "name": "critic"}]
+
+    def network(self, module: Any) -> nn.Module:
+        """The model the critic reads: its own (``weights="own"``) or the module's policy."""
+        self._check_attached(module)
+        return module.policy if self.model is None else self.model
+
+    def _check_attached(self, module: Any) -> None:
+        if self.weights == "own" and self.model is None:
+            raise ValueError(f"{type(module).__name__}: GenerativeCritic(weights='own') was never given its weights: "
+                             "the method must call critic.attach(policy) and optimise critic.parameter_groups() "
+                             "(TEMPO does)")
 
     def grid_ids(self, tokenizer: Any) -> list[int]:
         return value_token_ids(tokenizer, self.value_tokens, "GenerativeCritic")
@@ -132,7 +163,7 @@ class GenerativeCritic:
         ``reasoning_tokens`` is 0."""
         if not self.reasoning_tokens:
             return contexts
-        tok, policy = module.tokenizer, module.policy
+        tok, policy = module.tokenizer, self.network(module)
         params = SamplingParams(max_tokens=self.reasoning_tokens, eos_token_id=tok.eos_token_id,
                                 pad_token_id=tok.pad_token_id, greedy=True)
         was = policy.training
@@ -154,7 +185,7 @@ class GenerativeCritic:
         return self._grid_logprobs(module, self.reasoned(module, contexts))
 
     def _grid_logprobs(self, module: Any, full: list[list[int]]) -> Tensor:
-        return module.candidate_logprobs(full, self.grid_ids(module.tokenizer))
+        return module.candidate_logprobs(full, self.grid_ids(module.tokenizer), model=self.network(module))
 
     @torch.no_grad()
     def values(self, module: Any, contexts: list[list[int]]) -> Tensor:
@@ -163,6 +194,7 @@ class GenerativeCritic:
         return value_from_grid(self.logprobs(module, contexts), self.levels(module.device))
 
     def _rows(self, module: Any, contexts: list[list[int]], bins: Tensor, coef: float, **extras: Tensor) -> Any:
+        self._check_attached(module)
         grid = torch.tensor(self.grid_ids(module.tokenizer), device=module.device)
         rows = sequences_batch(contexts, [[int(grid[b])] for b in bins.tolist()], None,
                                module.tokenizer.pad_token_id, 1.0, module.device)
@@ -180,7 +212,7 @@ class GenerativeCritic:
             ce = value_token_ce(out.extra_logprobs[:, 0], rows.extras[BIN])
             term = aggregate(ce.unsqueeze(1) * rows.loss_mask, w)
             return term, {metric: Summed(term.detach())}
-        return AuxiliaryRows(rows, weights, loss, extra_ids=ids)
+        return AuxiliaryRows(rows, weights, loss, extra_ids=ids, model=self.model)
 
     def accuracy_rows(self, module: Any, contexts: list[list[int]], targets: Tensor, samples: int,
                       generator: torch.Generator, coef: float = 1.0, clip_eps: float = 0.2, scale: bool = False,
@@ -210,4 +242,4 @@ class GenerativeCritic:
             term = -aggregate(objective * rows.loss_mask, w)
             return term, {metric: Summed(term.detach())}
         stats = {"critic_value": value_from_grid(old, levels), "critic_reward": rewards.view(-1, samples).mean(dim=1)}
-        return AuxiliaryRows(rows, weights, loss, extra_ids=ids), stats
+        return AuxiliaryRows(rows, weights, loss, extra_ids=ids, model=self.model), stats

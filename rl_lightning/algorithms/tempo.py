@@ -28,7 +28,7 @@ from dataclasses import replace
 from typing import Any, Literal
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from typing_extensions import override
 
 from rl_lightning.algorithms.advantages import Advantages
@@ -76,6 +76,7 @@ class TEMPO(GRPO):
                               ("critic_samples", critic_samples, critic_samples >= 2, "must be >= 2"),
                               ("critic_coef", critic_coef, critic_coef >= 0, "must be >= 0")])
         self.critic = GenerativeCritic() if critic is None else critic
+        self.critic_model = self.critic.attach(self.policy)  # weights="own": the critic's copy (a submodule)
         self.horizon, self.warmup_steps, self.replay = horizon, warmup_steps, replay
         self.critic_loss, self.critic_samples, self.critic_coef = critic_loss, critic_samples, critic_coef
         self.critic_scale_rewards = critic_scale_rewards
@@ -83,6 +84,14 @@ class TEMPO(GRPO):
         self.episode_tokens: int | None = None  # the strategy's episode budget, read at setup
         self._critic_stats: dict[str, list[Tensor]] = {}
         self._fresh_states: int | None = None  # states of the step's prompts in the last branches (then replayed)
+
+    @override
+    def parameter_groups(self) -> list[dict[str, Any]]:
+        return [*super().parameter_groups(), *self.critic.parameter_groups()]  # + the critic's own weights, if any
+
+    @override
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [*super().trainable_parameters(), *(p for g in self.critic.parameter_groups() for p in g["params"])]
 
     # ------------------------------------------------------------------ branches
     @override

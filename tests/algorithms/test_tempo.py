@@ -159,3 +159,38 @@ def test_the_cross_entropy_critic_trains_the_nearest_bin_of_each_states_target()
     assert rows.batch.extras[BIN].tolist() == nearest_bin(adv.rows[TARGET][::4], module.critic.levels()).tolist()
     assert set(module.after_update(batch, adv)) == {"train/critic_value", "train/critic_value_std",
                                                      "train/critic_error"}
+
+
+def test_a_critic_on_weights_of_its_own_trains_them_and_leaves_the_policy_alone():
+    """GenerativeCritic(weights="own"): the critic's rows back-propagate into its copy of the warm start only, its
+    values are read from that copy, it is optimised and checkpointed with the module; shared: into the policy."""
+    from rl_lightning.algorithms.auxiliary import run_auxiliary
+    from rl_lightning.algorithms.metrics import UpdateMetrics
+
+    own = TEMPO(model_name_or_path="embedded:guess", critic=GenerativeCritic(weights="own"))
+    own.manual_backward = lambda loss: loss.backward()  # what run_auxiliary calls, without a Trainer
+    assert own.critic_model is not None and own.critic_model is not own.policy
+    assert all(torch.equal(a, b) for a, b in zip(own.critic_model.parameters(), own.policy.parameters()))
+    assert any(k.startswith("critic_model.") for k in own.state_dict())
+    groups = own.parameter_groups()
+    assert [g.get("name") for g in groups] == [None, "critic"]
+    assert len(own.trainable_parameters()) == 2 * len(list(own.policy.parameters()))
+    contexts = [own.critic.context(own, own.tokenizer("guess 1-31:5")["input_ids"])]
+    rows = own.critic.ce_rows(own, contexts, torch.tensor([1.0]))
+    assert rows.model is own.critic_model
+    run_auxiliary(own, [(rows, torch.arange(1), 1.0)], UpdateMetrics(), 0, 0)
+    assert all(p.grad is None for p in own.policy.parameters())
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in own.critic_model.parameters())
+    before = own.critic.values(own, contexts)
+    with torch.no_grad():
+        for p in own.critic_model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    assert not torch.equal(own.critic.values(own, contexts), before)  # read from its own weights
+    shared = TEMPO(model_name_or_path="embedded:guess")
+    shared.manual_backward = lambda loss: loss.backward()
+    assert shared.critic_model is None and len(shared.parameter_groups()) == 1
+    rows = shared.critic.ce_rows(shared, contexts, torch.tensor([1.0]))
+    run_auxiliary(shared, [(rows, torch.arange(1), 1.0)], UpdateMetrics(), 0, 0)
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in shared.policy.parameters())
+    with pytest.raises(ValueError, match="never given its weights"):
+        GenerativeCritic(weights="own").values(shared, contexts)
