@@ -6,6 +6,8 @@ from rl_lightning.envs.calculator import CalculatorEnv, CalculatorTask, calculat
 from rl_lightning.envs.environment import EnvError, Environment, SingleTurnEnv
 from rl_lightning.envs.guess import GuessNumberEnv, GuessNumberTask
 from rl_lightning.envs.jsonl import JsonlTask, PromptFileError, read_prompt_file
+from rl_lightning.envs.reach import ReachTargetEnv, ReachTargetTask
+from rl_lightning.envs.running_sum import RunningSumReward, RunningSumTask
 from rl_lightning.envs.word_problems import ArithmeticWordTask, NumericAnswerReward
 
 __all__ = [
@@ -22,8 +24,12 @@ __all__ = [
     "NumericAnswerReward",
     "Prompt",
     "PromptFileError",
+    "ReachTargetEnv",
+    "ReachTargetTask",
     "RewardError",
     "RewardFunction",
+    "RunningSumReward",
+    "RunningSumTask",
     "SingleTurnEnv",
     "Task",
     "calculate",
