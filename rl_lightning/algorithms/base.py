@@ -11,7 +11,9 @@ non-finite values, step; ``after_update``; then the step's metrics (``metrics.py
 
 from __future__ import annotations
 
+import difflib
 import time
+import warnings
 from dataclasses import replace
 from typing import Any
 
@@ -23,7 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from rl_lightning.algorithms.advantages import Advantages
 from rl_lightning.algorithms.auxiliary import AuxiliaryRows, auxiliary_plan, run_auxiliary
-from rl_lightning.algorithms.checks import NonFiniteLossError, check_finite, check_settings
+from rl_lightning.algorithms.checks import NonFiniteLossError, check_finite, check_hook_output, check_settings
 from rl_lightning.algorithms.distributed import Ranks, shard_module
 from rl_lightning.algorithms.evaluation import HeldoutEvaluation
 from rl_lightning.algorithms.forward import LearnerForward, PolicyOutput, with_proximal_logprobs
@@ -77,6 +79,20 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
     #: ``[N]`` bool set by ``update``: the rows of the last rollout batch that were forwarded
     forwarded_rows: Tensor | None = None
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Warn when a subclass defines a public method whose name is one edit or so from a hook of the base or of
+        Lightning (``policy_objectve``): the misspelt method would never be called, and the parent's would run."""
+        super().__init_subclass__(**kwargs)
+        known = {name for base in cls.__mro__[1:] for name in vars(base) if not name.startswith("_")}
+        for name, value in vars(cls).items():
+            if name.startswith("_") or name in known or not callable(value):
+                continue
+            close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.9)
+            if close:
+                warnings.warn(f"{cls.__qualname__}.{name} is not a hook of {cls.__mro__[1].__name__}; did you mean "
+                              f"{close[0]}? (as written it is never called, and the parent's {close[0]} runs)",
+                              stacklevel=2)
+
     def __init__(
         self, model_name_or_path: str = "embedded:arithmetic", dtype: DType = "float32",
         optimizer: OptimizerCallable = torch.optim.AdamW, lr_scheduler: LRSchedulerCallable | None = None,
@@ -119,6 +135,8 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
         mask = batch.loss_mask
         ratio = torch.exp((out.logprobs - self.ratio_reference(batch, out).detach()) * mask)  # 1 on padding
         objective, metrics = self.policy_objective(batch, out, ratio, adv)
+        check_hook_output(self, "policy_objective", objective, [tuple(mask.shape)],
+                          "[n, T]: one value per token of the micro-batch's rows")
         loss = -aggregate(objective * mask, weights)
         return loss, {"train/policy_loss": Summed(loss.detach()), **metrics}
 
@@ -187,6 +205,9 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
             batch = term.prepare(self, batch) if hasattr(term, "prepare") else batch
         adv = self.compute_advantages(batch)
         adv = adv if isinstance(adv, Advantages) else Advantages(adv)
+        n, t = batch.loss_mask.shape
+        check_hook_output(self, "compute_advantages", adv.advantages, [(n,), (n, 1), (n, t)],
+                          "[N] one per response or [N, T] one per token of the rollout batch")
         adv = replace(adv, advantages=adv.advantages.detach().reshape(batch.num_rows, -1))  # [N, 1] or [N, T]
         stats = self.update(batch, adv, self.loss_weights(batch))
         scheduler = self.lr_schedulers()

@@ -1,5 +1,7 @@
 """``check_settings``: the one way a method refuses an invalid constructor argument; ``check_finite``: the one way an
-update refuses a non-finite loss or gradient (``NonFiniteLossError``, before any optimiser step).
+update refuses a non-finite loss or gradient (``NonFiniteLossError``, before any optimiser step); ``check_hook_output``:
+the one way the base refuses a hook's output of the wrong shape, naming the hook and the shape it expected (a
+``[n]`` objective where ``[n, T]`` belongs would otherwise broadcast, silently when ``n == T``).
 
 Each rule is ``(field, value, valid, rule)``; the first invalid one raises ``ValueError("<Class>: <field> <rule>,
 got <value>")``, which the CLI reports with the config file and line of the field (``model.init_args.<field>``).
@@ -21,6 +23,17 @@ def check_settings(owner: Any, rules: Iterable[tuple[str, Any, bool, str]]) -> N
     for name, value, valid, rule in rules:
         if not valid:
             raise ValueError(f"{type(owner).__name__}: {name} {rule}, got {value!r}")
+
+
+def check_hook_output(owner: Any, hook: str, value: Any, shapes: Iterable[tuple[int, ...]], what: str) -> None:
+    """Raise ``ValueError("<Class>.<hook> returned ... ; expected ...")`` unless ``value`` is a tensor of one of
+    ``shapes`` (``what`` says what the shape means, e.g. ``"[n, T]: one value per token of the micro-batch"``)."""
+    shapes = [tuple(s) for s in shapes]
+    got = tuple(value.shape) if isinstance(value, Tensor) else None
+    if got not in shapes:
+        found = f"a tensor of shape {list(got)}" if got is not None else f"a {type(value).__name__}"
+        wanted = " or ".join(str(list(s)) for s in shapes)
+        raise ValueError(f"{type(owner).__name__}.{hook} returned {found}; expected {wanted} ({what})")
 
 
 def check_finite(value: Tensor, what: str, step: int, iteration: int, minibatch: int) -> None:
