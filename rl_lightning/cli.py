@@ -39,7 +39,7 @@ from typing import Any
 
 from jsonargparse import Namespace
 from lightning.pytorch import Callback, Trainer
-from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import SaveConfigCallback
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -111,8 +111,9 @@ def run_callbacks(identity: dict[str, Any], trainer_config: dict[str, Any]) -> l
     given = trainer_config.get("callbacks") or []
     given = given if isinstance(given, list) else [given]
     callbacks: list[Callback] = [_RunLineage(identity)]
+    saving = trainer_config.get("enable_checkpointing") is not False
     callbacks += [cls() for cls in (GracefulInterrupt, FailureDump, FinalCheckpoint)
-                  if not any(isinstance(cb, cls) for cb in given)]
+                  if not any(isinstance(cb, cls) for cb in given) and (saving or cls is not FinalCheckpoint)]
     if trainer_config.get("enable_progress_bar") is not False and not any(isinstance(cb, ProgressBar) for cb in given):
         callbacks.append(RLProgressBar())
     return callbacks
@@ -220,6 +221,18 @@ class RLCLI(compat.CheckpointPathCLI):
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         config = self.config.get(str(self.subcommand), self.config)
         trainer_config = self.config_init.get(str(self.subcommand), self.config_init).get("trainer", {})
+        max_steps = trainer_config.get("max_steps")
+        if isinstance(max_steps, int) and max_steps < 0:
+            raise ValueError(f"trainer.max_steps={max_steps}: give the number of rollout steps (>= 0); a negative "
+                             "value would train until stopped")
+        given = trainer_config.get("callbacks")
+        if trainer_config.get("enable_checkpointing") is False and isinstance(given, list):
+            dropped = [cb for cb in given if isinstance(cb, ModelCheckpoint)]
+            for cb in dropped:  # Lightning refuses the pair; the setting says what the user wants
+                given.remove(cb)
+            if dropped:
+                rank_zero_info("rl-lightning: trainer.enable_checkpointing=false: the config's ModelCheckpoint is "
+                               "dropped; this run writes no checkpoint (an interrupted run cannot resume)")
         self.trainer_defaults["callbacks"] = run_callbacks(runs.run_identity(config.as_dict()), trainer_config)
         if self.save_config_callback is not None and issubclass(self.save_config_callback, _SaveRunConfig):
             self.save_config_kwargs["resume_step"] = self._resume.step if self._resume is not None else None
@@ -357,6 +370,50 @@ def runtime_failure(exc: BaseException) -> BaseException | None:
     return None
 
 
+#: Lightning's own refusals that have an rl_lightning answer: a fragment of its message -> what to do instead
+LIGHTNING_HINTS = {
+    "gradient accumulation is not supported for manual optimization":
+        "trainer.accumulate_grad_batches: rl_lightning's methods take their optimiser steps themselves; to fit a "
+        "rollout batch in memory, set model.init_args.micro_batch_size (rows per forward/backward, gradients "
+        "accumulated over the batch) and leave accumulate_grad_batches at 1",
+}
+
+
+def lightning_refusal(exc: BaseException) -> str | None:
+    """One line for a Lightning ``MisconfigurationException`` along ``exc``'s chain (with the rl_lightning answer
+    where ``LIGHTNING_HINTS`` has one), or ``None``."""
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    for link in _chain(exc):
+        if isinstance(link, MisconfigurationException):
+            text = " ".join(str(link).split())
+            hint = next((h for key, h in LIGHTNING_HINTS.items() if key in text.lower()), None)
+            return hint or f"Lightning refused the trainer settings: {text}"
+    return None
+
+
+def missing_package(exc: BaseException) -> str | None:
+    """One line for a package a configured class needs and this environment lacks (a logger's ``wandb``, the vLLM
+    engines' ``vllm``), found along ``exc``'s chain, or ``None``."""
+    for link in _chain(exc):
+        if isinstance(link, ImportError):
+            name = getattr(link, "name", None) or ""
+            text = " ".join(str(link).split())
+            if name.split(".")[0] == "vllm" or "vllm" in text:
+                return (f"{text}: the vLLM engines run in their own environment: ./install_vllm.sh, then "
+                        ".venv-vllm/bin/rl-lightning (docs/scaling.md#vllm)")
+            return f"{text} (a configured class needs it: install it into this environment, or configure another)"
+    return None
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    seen: list[BaseException] = []
+    while exc is not None and all(exc is not s for s in seen):
+        seen.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return seen
+
+
 def _section(exc: BaseException) -> str:
     """``"model (rl_lightning.algorithms.GRPO)"``-like context from jsonargparse's wrapper message, if any."""
     text = str(exc)
@@ -415,9 +472,12 @@ def cli_main(argv: list[str] | None = None) -> None:
             saved = f" -- the failed step is saved in {where}; re-run it with: rl-lightning replay {where}" if where else ""
             _fail(f"{type(failure).__name__}{at}: {failure}{saved}", 1)
         root = configuration_error(exc)
-        if root is None:
+        if root is not None:
+            _fail(str(root), 2, _section(exc))
+        line = lightning_refusal(exc) or missing_package(exc)
+        if line is None:
             raise
-        _fail(str(root), 2, _section(exc))
+        _fail(line, 2, _section(exc))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,10 @@ the problem; configuration errors exit with status 2."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from rl_lightning import config_check
@@ -168,3 +172,41 @@ def test_a_prompt_file_line_without_an_answer_lists_its_keys(capsys, tmp_path):
                             "--data.init_args.task.init_args.num_heldout", "1")
     assert code == 2
     assert line.endswith(f"{data}:2: missing field 'answer' (keys: ['prompt', 'solution'])")
+
+
+# ---------------------------------------------------------------- Lightning's settings and missing packages: one line
+@pytest.mark.parametrize("args, expected", [
+    (["--trainer.max_steps", "-1"], "trainer.max_steps=-1: give the number of rollout steps"),
+    (["--trainer.accumulate_grad_batches", "2"], "set model.init_args.micro_batch_size"),
+    (["--trainer.logger", "lightning.pytorch.loggers.WandbLogger"], "wandb"),
+    (["--config", "configs/presets/vllm.yaml"], ".venv-vllm/bin/rl-lightning"),
+    (["--model.init_args.model_name_or_path", "HuggingFaceTB/SmolLM2-135M-Instruct"],
+     "download it yourself (e.g. `hf download HuggingFaceTB/SmolLM2-135M-Instruct --local-dir <dir>`)"),
+])
+def test_lightning_settings_and_missing_packages_fail_in_one_line(tmp_path, args, expected):
+    """Each of these printed a 36-115-line traceback (or ran forever: max_steps -1) before."""
+    import importlib.util
+
+    if "wandb" in expected and importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here: the logger would run")  # not the case in .venv
+    if "vllm" in expected and importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vllm is installed here: the engine would run")
+    steps = [] if "--trainer.max_steps" in args else ["--trainer.max_steps", "1"]
+    proc = subprocess.run([sys.executable, "-m", "rl_lightning", "fit", "--config", str(REPO / "configs/grpo.yaml"),
+                           *args, *steps, "--trainer.logger.init_args.save_dir", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("rl-lightning: error")]
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert len(errors) == 1 and expected in errors[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
+def test_checkpointing_off_drops_the_configs_checkpoint_callback_and_runs(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "rl_lightning", "fit", "--config", str(REPO / "configs/grpo.yaml"),
+                           "--trainer.enable_checkpointing", "false", "--trainer.max_steps", "1",
+                           "--trainer.val_check_interval", "1", "--data.init_args.num_val_prompts", "8",
+                           "--trainer.logger.init_args.save_dir", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "the config's ModelCheckpoint is dropped" in proc.stderr + proc.stdout
+    assert not list(tmp_path.rglob("*.ckpt"))

@@ -88,6 +88,19 @@ def build_tiny_policy(seed: int = 0, **config_overrides: int) -> tuple[PreTraine
 BUILT_BY = {"SmolLM2-135M-Instruct": "python experiments/smollm2.py"}
 
 
+def missing_model_hint(model_name_or_path: str, path: Path) -> str:
+    """What to do about a checkpoint directory that does not exist: a Hub id (``owner/name``) is downloaded by the
+    user, never by rl_lightning; a checkpoint a script of this repository builds names the script."""
+    built_by = BUILT_BY.get(path.name)
+    looks_like_hub_id = (model_name_or_path.count("/") == 1 and not model_name_or_path.startswith((".", "/", "~"))
+                         and not path.parent.is_dir())
+    if looks_like_hub_id:
+        also = f" (this one is also built offline by `{built_by}`)" if built_by else ""
+        return (f"if it is a Hugging Face Hub id, download it yourself (e.g. `hf download {model_name_or_path} "
+                f"--local-dir <dir>`) and pass the local directory: rl_lightning never downloads{also}")
+    return f"build it with `{built_by}`" if built_by else "give the local directory of a Hugging Face checkpoint"
+
+
 def resolve_model_path(model_name_or_path: str) -> Path | None:
     """Map ``embedded:<name>`` to the packaged asset directory; ``embedded:random`` maps to ``None``."""
     if not model_name_or_path.startswith(EMBEDDED_PREFIX):
@@ -156,9 +169,8 @@ def load_policy(
         check_tokenizer(model_name_or_path, tokenizer)
         return model.to(torch_dtype), tokenizer
     if not path.is_dir():
-        built_by = BUILT_BY.get(path.name)
-        hint = f"; build it with `{built_by}`" if built_by else ""
-        raise FileNotFoundError(f"model_name_or_path={model_name_or_path!r}: no such directory{hint}")
+        raise FileNotFoundError(f"model_name_or_path={model_name_or_path!r}: no such directory; "
+                                f"{missing_model_hint(model_name_or_path, path)}")
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
             f"model_name_or_path={model_name_or_path!r}: not a Hugging Face checkpoint directory "
