@@ -51,7 +51,7 @@ from rl_lightning.algorithms.base import RLModule
 from rl_lightning.callbacks.progress import RLProgressBar
 from rl_lightning.callbacks.safety import (FailureDump, FinalCheckpoint, GracefulInterrupt, RunInterrupted, RunStopped,
                                           checkpoint_dir)
-from rl_lightning.cli_parser import ConfigParseError, Parser
+from rl_lightning.cli_parser import ConfigParseError, Parser, class_switches
 from rl_lightning.replay import replay_main
 from rl_lightning.rollout.datamodule import RolloutDataModule
 
@@ -242,6 +242,15 @@ class RLCLI(compat.CheckpointPathCLI):
                 if isinstance(logger, TensorBoardLogger):
                     compat.set_purge_step(logger, self._resume.step)
         return trainer
+
+    def before_instantiate_classes(self) -> None:
+        """Say which settings a class switch carried over from the earlier class (``class_switches``)."""
+        subcommand = self.config.get("subcommand")
+        config = self.config.get(subcommand) if subcommand else self.config
+        if config is None:
+            return
+        for line in class_switches(getattr(self.parser, "last_args", []), config.as_dict()):
+            rank_zero_info(f"rl-lightning: warning: {line}")
 
     def before_fit(self) -> None:
         self._started = time.perf_counter()

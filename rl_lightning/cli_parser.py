@@ -47,6 +47,7 @@ class Parser(StackingParser):
 
     def parse_args(self, args: Any = None, *rest: Any, **kwargs: Any) -> Namespace:
         args = sys.argv[1:] if args is None else args
+        self.last_args = list(args)  # the command line as given (class_switches reads it)
         return super().parse_args(callback_appends_as_configs(list(args)), *rest, **kwargs)
 
     def stack_config(self, cfg: dict[str, Any], before: Namespace) -> dict[str, Any]:
@@ -189,3 +190,123 @@ def find_class(name: Any) -> tuple[type | None, str | None]:
 def resolve_class(name: Any) -> type | None:
     """The class a ``class_path`` names, or ``None`` (``find_class`` says why)."""
     return find_class(name)[0]
+
+
+# ------------------------------------------------------------------------------------------- class switches
+def _config_layers(args: list[str]) -> list[tuple[str, Any]]:
+    """The command line as ordered layers: ``("config", dict)`` for each ``--config`` (file or inline YAML/JSON),
+    ``("arg", (dotted key, value))`` for each other ``--key value``."""
+    layers: list[tuple[str, Any]] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--"):
+            i += 1
+            continue
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(args) or args[i + 1].startswith("--"):
+                i += 1
+                continue
+            value, i = args[i + 1], i + 1
+        i += 1
+        if key in ("config", "c"):
+            try:
+                text = open(value).read() if not value.lstrip().startswith(("{", "[")) else value
+                loaded = yaml.safe_load(text)
+            except (OSError, yaml.YAMLError):
+                continue
+            if isinstance(loaded, dict):
+                layers.append(("config", loaded))
+        else:
+            layers.append(("arg", (key, value)))
+    return layers
+
+
+def class_switches(args: list[str], final: dict[str, Any]) -> list[str]:
+    """One line per class switch along the command line (a later config or ``--model NewClass`` giving another
+    ``class_path`` at the same place) whose carried-over settings differ from the new class's defaults: values set
+    for the earlier class, never set again after the switch, that the new class accepted (jsonargparse keeps them).
+    ``final`` is the parsed configuration (a dict)."""
+    state: dict[str, tuple[str, set[str]]] = {}  # path -> (class_path, keys set for it)
+    switched: dict[str, tuple[str, str, set[str]]] = {}  # path -> (first class, last class, carried keys)
+
+    def set_class(path: str, cls: str) -> None:
+        old = state.get(path)
+        if old is not None and resolve_class(old[0]) is not resolve_class(cls):
+            first = switched.get(path, (old[0], cls, set()))
+            switched[path] = (first[0], cls, first[2] | old[1])
+            state[path] = (cls, set())
+        elif old is None:
+            state[path] = (cls, set())
+
+    def set_key(path: str, key: str) -> None:
+        if path in state:
+            state[path][1].add(key)
+        if path in switched:
+            switched[path][2].discard(key)
+
+    def walk(node: Any, path: str) -> None:
+        if not isinstance(node, dict):
+            return
+        if isinstance(node.get("class_path"), str):
+            set_class(path, node["class_path"])
+            for key, value in (node.get("init_args") or {}).items():
+                set_key(path, key)
+                walk(value, f"{path}.init_args.{key}")
+            return
+        for key, value in node.items():
+            walk(value, f"{path}.{key}" if path else key)
+
+    for kind, layer in _config_layers(args):
+        if kind == "config":
+            walk(layer, "")
+            continue
+        key, value = layer
+        if key.endswith(".class_path"):
+            set_class(key[: -len(".class_path")], value)
+        elif key in state or (key in ("model", "data") and ("." in value or value[:1].isupper())):
+            set_class(key, value)
+        elif ".init_args." in key:
+            path, _, rest = key.rpartition(".init_args.")
+            set_key(path, rest.split(".")[0])
+        else:
+            path, _, name = key.rpartition(".")
+            if path in state:
+                set_key(path, name)
+    lines = []
+    for path, (first, last, carried) in switched.items():
+        node: Any = final
+        for part in path.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        cls = resolve_class(node.get("class_path")) if isinstance(node, dict) else None
+        if cls is None or not carried:
+            continue
+        init_args = node.get("init_args") or {}
+        defaults = _defaults(cls)
+        plain = (bool, int, float, str, type(None), list, tuple)  # a nested class spec is its own object's
+        differ = [f"{k}={init_args[k]!r} (default {defaults[k]!r})" for k in sorted(carried)
+                  if k in init_args and k in defaults and isinstance(init_args[k], plain)
+                  and isinstance(defaults[k], plain) and init_args[k] != defaults[k]]
+        if differ:
+            lines.append(f"{path}: {first.rsplit('.', 1)[-1]} -> {cls.__name__} keeps the earlier class's "
+                         f"{', '.join(differ)}; set them for {cls.__name__} if they are not meant "
+                         "(docs/extending.md#switching-a-class)")
+    return lines
+
+
+def _defaults(cls: type) -> dict[str, Any]:
+    """The constructor defaults of ``cls`` and of the classes it passes ``**kwargs`` to (its bases)."""
+    import inspect
+
+    out: dict[str, Any] = {}
+    for klass in reversed(cls.__mro__):
+        init = vars(klass).get("__init__")
+        if init is None:
+            continue
+        try:
+            params = inspect.signature(init).parameters
+        except (TypeError, ValueError):
+            continue
+        out.update({n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty})
+    return out
