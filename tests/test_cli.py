@@ -94,7 +94,7 @@ def test_bad_model_path_gives_one_clear_line(tmp_path):
     assert proc.returncode == 2
     assert _error_lines(proc) == [
         f"rl-lightning: error in model (rl_lightning.algorithms.GRPO): model_name_or_path='{tmp_path / 'nope'}': "
-        "no such directory"
+        "no such directory; give the local directory of a Hugging Face checkpoint"
     ]
 
 
