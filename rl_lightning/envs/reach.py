@@ -1,11 +1,13 @@
 """Reach the target: a multi-turn task with distinct starting states and long horizons (8-10 model turns).
 
 An episode: the first observation shows a start and a target number, ``"s17 t52:"``. Each turn the model plays
-one move of ``+1 +5 -3 *2`` (two characters); the environment answers with the new value, ``"=22:"``. Reaching the
+one move of ``+1 +5 -3 *2`` (two characters); the environment answers with the new value, ``"22:"`` (at most 3
+characters, so a turn and its answer take at most 3 + 3 tokens of the character tokenizer and a whole episode fits
+``GroupRollout``'s default budget of ``max_turns x max_new_tokens x 2``). Reaching the
 target ends the episode with reward 1; an invalid move (anything else, or one that leaves ``0..99``) ends it with
 reward 0, and so does the turn limit (``max_moves``, 10) without reaching it. An episode as the model sees it::
 
-    <bos>s17 t52:+5<eos>=22:*2<eos>=44:+5<eos>=49:+1<eos>=50:+1<eos>=51:+1<eos>
+    <bos>s17 t52:+5<eos>22:*2<eos>44:+5<eos>49:+1<eos>50:+1<eos>51:+1<eos>
 
 Every state is in the context: the start and target in the prompt, the current value in the last observation,
 the turns used by counting them, so a state's value is readable from the history (what a critic needs).
@@ -134,7 +136,7 @@ class ReachTargetEnv(Environment):
         if len(self.moves) >= self.max_moves:
             self.done = True
             return "", 0.0, True, False, {"reached": False}
-        return f"={new}:", 0.0, False, False, {}
+        return f"{new}:", 0.0, False, False, {}
 
 
 class ReachTargetTask(Task):
