@@ -48,6 +48,47 @@ TEMPLATES: dict[str, tuple[str, ...]] = {
 NUMBER_RE = re.compile(r"(?:(?<![\w.])[-\u2212])?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
 
 
+def last_boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}`` in ``text`` with its nested braces kept (``\\boxed{\\frac{84}{2}}``
+    gives ``\\frac{84}{2}``), or ``None`` when there is no closed one."""
+    start = text.rfind("\\boxed{")
+    while start != -1:
+        begin, depth, j = start + len("\\boxed{"), 1, start + len("\\boxed{")
+        while j < len(text) and depth:
+            depth += {"{": 1, "}": -1}.get(text[j], 0)
+            j += 1
+        if depth == 0:
+            return text[begin:j - 1]
+        start = text.rfind("\\boxed{", 0, start)
+    return None
+
+
+def extract_answer(text: str) -> str:
+    """The part of a response (or a reference answer) that holds its final answer: the last ``\\boxed{...}``, else
+    what follows the last ``####`` (GSM8K's ``<work> #### 42``) up to the end of its line, else the whole text."""
+    boxed = last_boxed(text)
+    if boxed is not None:
+        return boxed
+    if "####" in text:
+        tail = text.rsplit("####", 1)[1].strip()
+        return tail.splitlines()[0] if tail else ""
+    return text
+
+
+_FRAC = re.compile(r"^\\[dt]?frac\{\s*([-\u2212]?[\d.,]+)\s*\}\{\s*([-\u2212]?[\d.,]+)\s*\}$")
+
+
+def answer_value(text: str) -> Decimal | None:
+    """The numeric value of ``extract_answer(text)``: a ``\\frac{a}{b}`` (also ``\\dfrac``/``\\tfrac``) as ``a / b``,
+    else its last number (``parse_number``); ``None`` when it has none."""
+    part = extract_answer(text).strip()
+    frac = _FRAC.match(part)
+    if frac:
+        a, b = parse_number(frac.group(1)), parse_number(frac.group(2))
+        return a / b if a is not None and b not in (None, 0) else None
+    return parse_number(part)
+
+
 def parse_number(text: str) -> Decimal | None:
     """The value of the last number in ``text`` (see ``NUMBER_RE``), or ``None`` when it has none."""
     matches = NUMBER_RE.findall(text)
@@ -61,23 +102,29 @@ def parse_number(text: str) -> Decimal | None:
 
 
 class NumericAnswerReward(RewardFunction):
-    """1.0 when the last number in the response equals the reference answer numerically, else 0.0.
+    """1.0 when the response's answer equals the reference answer numerically, else 0.0.
 
-    Numbers may carry a sign (``-3``, also the Unicode minus), thousands commas (``1,234``) and decimals
-    (``19.0`` equals ``19``). Only the *last* number counts, so ``"12 + 7 = 19"`` and ``"The answer is 19."``
-    score 1 for ``19`` while ``"19 or 20"`` scores 0. A response without any number scores 0.
+    The answer is read by ``answer_value``: the last ``\\boxed{...}`` (nested braces kept; ``\\frac{84}{2}`` is 42),
+    else what follows the last ``####`` (GSM8K), else the last number of the response. Numbers may carry a sign
+    (``-3``, also the Unicode minus), thousands commas (``1,234``) and decimals (``19.0`` equals ``19``). So
+    ``"12 + 7 = 19"``, ``"The answer is 19."`` and ``"\\boxed{19} (checked in 2 steps)"`` score 1 for ``19`` while
+    ``"19 or 20"`` scores 0. The reference answer is read the same way, so a GSM8K answer (``"... #### 42"``) works
+    as it is. A response without any number scores 0.
 
     Raises:
-        ValueError: the prompt has no answer, or its answer is not a number.
+        ValueError: the prompt has no answer, or its answer holds no number.
     """
 
     def __call__(self, prompt: Prompt, response: str) -> float:
         if prompt.answer is None:
             raise ValueError(f"NumericAnswerReward needs a reference answer; prompt {prompt.text!r} has none")
-        want = parse_number(str(prompt.answer))
-        if want is None or NUMBER_RE.fullmatch(str(prompt.answer).strip()) is None:
-            raise ValueError(f"NumericAnswerReward: the reference answer {prompt.answer!r} is not a number")
-        got = parse_number(response)
+        reference = str(prompt.answer)
+        want = answer_value(reference)
+        plain = reference.strip() if extract_answer(reference) is reference else extract_answer(reference).strip()
+        if want is None or (NUMBER_RE.fullmatch(plain) is None and _FRAC.match(plain) is None):
+            raise ValueError(f"NumericAnswerReward: the reference answer {prompt.answer!r} is not a number (nor "
+                             "'... #### <number>', nor a \\boxed{} number)")
+        got = answer_value(response)
         return 1.0 if got is not None and got == want else 0.0
 
 

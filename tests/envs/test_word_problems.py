@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from decimal import Decimal
+
 import pytest
 
 from rl_lightning.envs.base import Prompt, Task
@@ -165,3 +167,27 @@ def test_task_prompts_score_with_their_own_answer():
         p = task.train_prompt(i)
         assert reward(p, f"The answer is {p.answer}.") == 1.0
         assert reward(p, f"The answer is {int(p.answer) + 1}.") == 0.0
+
+
+# ---------------------------------------------------------------- answer extraction: \boxed{} and GSM8K's ####
+def test_answer_extraction_reads_the_last_box_with_nested_braces_and_gsm8k_answers():
+    from rl_lightning.envs.word_problems import answer_value, extract_answer, last_boxed
+
+    assert last_boxed(r"first \boxed{1} then \boxed{\frac{84}{2}} done") == r"\frac{84}{2}"
+    assert last_boxed(r"\boxed{a{b}c}") == "a{b}c" and last_boxed(r"\boxed{unclosed") is None
+    assert last_boxed(r"\boxed{7} and \boxed{8") == "7"  # the last *closed* box
+    assert extract_answer("Natalia sold 48/2 = 24 clips in May. #### 72") == "72"
+    assert extract_answer("work #### 1,234\nmore text") == "1,234"
+    assert answer_value(r"\boxed{\frac{84}{2}}") == 42 and answer_value(r"\boxed{\dfrac{-3}{4}}") == Decimal("-0.75")
+    assert answer_value(r"\boxed{\frac{1}{0}}") is None and answer_value("no number") is None
+    reward = NumericAnswerReward()
+    # these scored 0 before: the last number was 2, 84 or 2
+    assert reward(Prompt("q", "42"), r"\boxed{42} (checked in 2 steps)") == 1.0
+    assert reward(Prompt("q", "42"), r"so the answer is \boxed{\frac{84}{2}}") == 1.0
+    assert reward(Prompt("q", "42"), r"\boxed{41}, no: \boxed{42}") == 1.0
+    assert reward(Prompt("q", "42"), r"\boxed{41} (I checked 42 cases)") == 0.0  # the box wins over the last number
+    # a GSM8K reference answer works as it is (it was refused as "not a number")
+    gsm8k = Prompt("Natalia sold clips ...", "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n#### 72")
+    assert reward(gsm8k, "She sold 72 clips altogether.") == 1.0 and reward(gsm8k, "#### 24") == 0.0
+    with pytest.raises(ValueError, match="not a number"):
+        reward(Prompt("q", "work #### seventy-two"), "72")
