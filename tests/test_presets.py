@@ -137,7 +137,9 @@ def test_each_task_preset_writes_its_runs_under_its_own_name():
               "sao_arithmetic": ["sao", "sao_arithmetic"], "guess_tempo": ["tempo", "guess", "guess_tempo"],
               "calculator_tempo": ["tempo", "calculator", "calculator_tempo"],
               "guess_lvrl": ["lvrl", "guess", "guess_lvrl"],
-              "arithmetic_hard_ac2": ["ac2", "arithmetic_hard", "arithmetic_hard_ac2"]}
+              "arithmetic_hard_ac2": ["ac2", "arithmetic_hard", "arithmetic_hard_ac2"],
+              "reach": ["grpo", "reach"], "reach_tempo": ["tempo", "reach", "reach_tempo"],
+              "reach_ac2": ["ac2", "reach", "reach_ac2"], "running_sum": ["grpo", "running_sum"]}
     assert set(stacks) == {p.stem for p in TASKS.glob("*.yaml")}
     for name, (method, *tasks) in stacks.items():
         args = ["--config", str(REPO / "configs" / f"{method}.yaml")]
