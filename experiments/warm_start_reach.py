@@ -40,7 +40,14 @@ held-out batches (the validation path), and the saved checkpoint is re-scored by
 ``Trainer.validate(GRPO(model_name_or_path=<out>), datamodule=...)`` (its ``val/reward`` must be the same number).
 Everything runs on CPU and is deterministic for a given ``--seed``.
 
-Reproduce (from anywhere; about 15 min on one CPU thread)::
+With the defaults (seed 0): greedy test success 0.13, 0.27, 0.18, 0.31, 0.31, 0.31 at steps 400-1,400 (flat at the
+constant learning rate from step 1,000), then 0.333, 0.340, 0.347 as it decays (the teacher's greedy: 0.36); the last
+checkpoint scores 0.347 on the test split and 0.390 on the validation split, 0.202 sampled at temperature 1, with
+9.5 turns per episode. Then GRPO (``configs/grpo.yaml`` + ``configs/tasks/reach.yaml``, one seed) moved the greedy
+test success to 0.648 at step 100 and 0.540 at step 150.
+
+Reproduce (from anywhere; 2,000 steps of about 0.45 s alone on one CPU thread, about 15 min; the shipped build took
+31 min with the machine's 2 cores shared with other jobs)::
 
     OMP_NUM_THREADS=1 python experiments/warm_start_reach.py
 """
