@@ -49,6 +49,7 @@ from rl_lightning import config_check, runs
 from rl_lightning.callbacks import compat
 from rl_lightning.algorithms.base import RLModule
 from rl_lightning.callbacks.progress import RLProgressBar
+from rl_lightning.callbacks.reward_check import ConstantRewardWarning
 from rl_lightning.callbacks.safety import (FailureDump, FinalCheckpoint, GracefulInterrupt, RunInterrupted, RunStopped,
                                           checkpoint_dir)
 from rl_lightning.cli_parser import ConfigParseError, Parser, class_switches
@@ -104,7 +105,7 @@ def _logger_config(config: Namespace) -> Namespace | None:
 def run_callbacks(identity: dict[str, Any], trainer_config: dict[str, Any]) -> list[Callback]:
     """The callbacks every run of the CLI has, after the configured ones (``trainer_defaults["callbacks"]``).
 
-    ``identity`` (``runs.run_identity``) goes into every checkpoint; ``GracefulInterrupt``, ``FailureDump`` and
+    ``identity`` (``runs.run_identity``) goes into every checkpoint; ``GracefulInterrupt``, ``FailureDump``, ``ConstantRewardWarning`` and
     ``FinalCheckpoint`` join unless ``trainer_config`` (the instantiated ``trainer`` settings) holds one already; ``RLProgressBar``
     unless it disables the bar or sets another one.
     """
@@ -112,7 +113,7 @@ def run_callbacks(identity: dict[str, Any], trainer_config: dict[str, Any]) -> l
     given = given if isinstance(given, list) else [given]
     callbacks: list[Callback] = [_RunLineage(identity)]
     saving = trainer_config.get("enable_checkpointing") is not False
-    callbacks += [cls() for cls in (GracefulInterrupt, FailureDump, FinalCheckpoint)
+    callbacks += [cls() for cls in (GracefulInterrupt, FailureDump, FinalCheckpoint, ConstantRewardWarning)
                   if not any(isinstance(cb, cls) for cb in given) and (saving or cls is not FinalCheckpoint)]
     if trainer_config.get("enable_progress_bar") is not False and not any(isinstance(cb, ProgressBar) for cb in given):
         callbacks.append(RLProgressBar())

@@ -5,11 +5,12 @@ from rl_lightning.callbacks.audit import FullRolloutAudit
 from rl_lightning.callbacks.critic import CriticWarmup, FreezeCriticModules
 from rl_lightning.callbacks.kl import KLRegularizer
 from rl_lightning.callbacks.progress import RLProgressBar
+from rl_lightning.callbacks.reward_check import ConstantRewardWarning
 from rl_lightning.callbacks.safety import (AtomicCheckpointIO, FailureDump, FinalCheckpoint, GracefulInterrupt,
                                           RunInterrupted)
 from rl_lightning.callbacks.samples import RolloutSamples
 
 __all__ = [
-    "AtomicCheckpointIO", "CriticWarmup", "FailureDump", "FinalCheckpoint", "FullRolloutAudit", "FreezeCriticModules", "GracefulInterrupt", "KLRegularizer",
+    "AtomicCheckpointIO", "ConstantRewardWarning", "CriticWarmup", "FailureDump", "FinalCheckpoint", "FullRolloutAudit", "FreezeCriticModules", "GracefulInterrupt", "KLRegularizer",
     "RLProgressBar", "RolloutSamples", "RunInterrupted",
 ]
