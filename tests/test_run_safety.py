@@ -447,3 +447,30 @@ def test_final_checkpoint_writes_nothing_more_when_the_last_save_was_the_final_s
     trainer.save_checkpoint = counted  # every write, ModelCheckpoint's and FinalCheckpoint's, goes through it
     trainer.fit(GRPO(model_name_or_path="embedded:random"), datamodule=tiny_datamodule())
     assert saved == [("epoch=0-step=2.ckpt", 2), ("last.ckpt", 2)]  # once each, at step 2
+
+
+def test_weights_only_checkpoints_hold_the_weights_and_no_optimiser_state(tmp_path):
+    """The documented setting for short experiments (docs/real_models.md#checkpoints): ModelCheckpoint's
+    save_weights_only; the run's final last.ckpt (FinalCheckpoint) is weights-only too."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from rl_lightning.algorithms import GRPO
+    from rl_lightning.callbacks import FinalCheckpoint
+    from tests.conftest import tiny_datamodule, tiny_trainer
+
+    def run(weights_only: bool) -> dict:
+        root = tmp_path / str(weights_only)
+        checkpoint = ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_last=True, save_top_k=-1,
+                                     save_weights_only=weights_only)
+        module = GRPO(model_name_or_path="embedded:arithmetic")
+        tiny_trainer(root, max_steps=3, callbacks=[checkpoint, FinalCheckpoint()], enable_checkpointing=True).fit(
+            module, datamodule=tiny_datamodule())
+        saved = torch.load(root / "last.ckpt", weights_only=False)
+        assert saved["global_step"] == 3  # FinalCheckpoint's, after the step-2 save
+        for key, value in module.state_dict().items():
+            assert torch.equal(saved["state_dict"][key], value), key
+        return saved
+
+    assert "optimizer_states" in run(False)
+    light = run(True)
+    assert "optimizer_states" not in light and "lr_schedulers" not in light

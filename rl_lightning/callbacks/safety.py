@@ -185,7 +185,7 @@ class FinalCheckpoint(Callback):
         callback = trainer.checkpoint_callback
         if isinstance(callback, ModelCheckpoint) and compat.stale_last_checkpoint(callback, trainer):
             path = checkpoint_dir(trainer) / f"{ModelCheckpoint.CHECKPOINT_NAME_LAST}{ModelCheckpoint.FILE_EXTENSION}"
-            trainer.save_checkpoint(path)
+            trainer.save_checkpoint(path, weights_only=callback.save_weights_only)  # as the callback writes it
             callback.last_model_path = str(path)
 
 
