@@ -6,6 +6,7 @@ from rl_lightning.algorithms.auxiliary import AuxiliaryRows
 from rl_lightning.algorithms.base import NonFiniteLossError, RLModule
 from rl_lightning.algorithms.protocols import LossTerm
 from rl_lightning.algorithms.bpco import BPCO
+from rl_lightning.algorithms.cispo import CISPO
 from rl_lightning.algorithms.cope import CoPE
 from rl_lightning.algorithms.critic import CriticLearner
 from rl_lightning.algorithms.evaluation import HeldoutEvaluation, HeldoutObserver
@@ -14,6 +15,7 @@ from rl_lightning.algorithms.metrics import Summed, TokenMean
 from rl_lightning.algorithms.easyppo import EasyPPO
 from rl_lightning.algorithms.flash_reinforce import FlashREINFORCE
 from rl_lightning.algorithms.grpo import GRPO
+from rl_lightning.algorithms.gspo import GSPO
 from rl_lightning.algorithms.lvrl import LVRL
 from rl_lightning.algorithms.pg import PolicyGradient
 from rl_lightning.algorithms.ppo import PPO
@@ -27,7 +29,7 @@ from rl_lightning.algorithms.tempo import TEMPO
 from rl_lightning.algorithms.trpo import TRPO
 
 __all__ = [
-    "AC2", "Advantages", "AuxiliaryRows", "BPCO", "CriticLearner", "HeldoutEvaluation", "Summed", "TokenMean", "CoPE", "EasyPPO", "FlashREINFORCE", "GRPO", "LVRL", "PPO", "REINFORCE", "RLOO", "SAO", "SPO",
+    "AC2", "Advantages", "AuxiliaryRows", "BPCO", "CISPO", "CriticLearner", "HeldoutEvaluation", "Summed", "TokenMean", "CoPE", "EasyPPO", "FlashREINFORCE", "GRPO", "GSPO", "LVRL", "PPO", "REINFORCE", "RLOO", "SAO", "SPO",
     "ScoreCentering", "StableReinforce", "TEMPO", "TRPO", "HeldoutObserver", "LossTerm", "NonFiniteLossError", "PolicyGradient",
     "PolicyOutput", "RLModule",
 ]

@@ -56,9 +56,11 @@ from rl_lightning.functional.losses import (
     clip_statistics,
     clipped_policy_loss,
     clipped_surrogate,
+    clipped_is_weight,
     clipped_value_loss,
     explained_variance,
     policy_gradient_loss,
+    sequence_log_ratio,
     ValueLossStats,
 )
 from rl_lightning.functional.masked import masked_mean, masked_sum, masked_whiten
@@ -126,7 +128,9 @@ __all__ = [
     "bernoulli_kl",
     "categorical_kl",
     "clip_statistics",
+    "sequence_log_ratio",
     "clipped_policy_loss",
+    "clipped_is_weight",
     "clipped_surrogate",
     "clipped_value_loss",
     "conjugate_gradient",

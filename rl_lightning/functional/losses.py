@@ -231,3 +231,39 @@ def clipped_value_loss(
             value_clip_fraction=(clipped_wins & mask.bool()).sum() / count,
         )
     return loss, stats
+
+
+def sequence_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """``[B]`` the length-normalised log importance ratio of each response (GSPO: Zheng et al. 2025, "Group
+    Sequence Policy Optimization", arXiv 2507.18071, eq. 7; docs/algorithms.md, GSPO):
+
+        log s_i = (1 / |y_i|) Σ_t (log π_θ(y_{i,t}) - log π_old(y_{i,t})),   s_i = exp(log s_i)
+
+    the log of the geometric mean of the token ratios over the masked tokens. A row with no masked token gets 0
+    (``s_i = 1``). The gradient flows through ``logprobs``.
+
+    Example:
+        >>> import torch
+        >>> lp = torch.log(torch.tensor([[2.0, 0.5, 9.0]]))  # token ratios 2 and 0.5 (the third is padding)
+        >>> sequence_log_ratio(lp, torch.zeros(1, 3), torch.tensor([[1.0, 1.0, 0.0]]))
+        tensor([0.])
+    """
+    diff = (logprobs - old_logprobs) * mask
+    return diff.sum(dim=-1) / mask.sum(dim=-1).clamp(min=1.0)
+
+
+def clipped_is_weight(ratio: Tensor, eps_low: float | None, eps_high: float) -> Tensor:
+    """CISPO's importance weight (MiniMax 2025, "MiniMax-M1", arXiv 2506.13585, eq. 5; docs/algorithms.md, CISPO):
+
+        r̂ = sg(clip(ρ, 1 - ε_low, 1 + ε_high))
+
+    detached, so a token whose ratio is clipped keeps its gradient ``r̂ · A · ∇ log π`` (PPO's clip zeroes it).
+    ``eps_low=None``: no floor (MiniMax-M1 sets ε_low large; the weight only stops at 0).
+
+    Example:
+        >>> import torch
+        >>> clipped_is_weight(torch.tensor([0.1, 1.0, 9.0]), None, 4.0)
+        tensor([0.1000, 1.0000, 5.0000])
+    """
+    low = None if eps_low is None else 1.0 - eps_low
+    return ratio.detach().clamp(min=low, max=1.0 + eps_high)
