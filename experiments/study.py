@@ -18,6 +18,7 @@ A study is a folder with a ``study.yaml`` (docs/results.md#protocol):
       grpo: {configs: [configs/grpo.yaml]}
       ppo: {configs: [configs/ppo.yaml], baseline: grpo_ppo_shape}
       grpo_ppo_shape: {configs: [configs/grpo.yaml], args: [--model.init_args.num_minibatches, "4"]}
+      tempo: {configs: [configs/tempo.yaml], after: [configs/tasks/reach_tempo.yaml]}  # after the study's task
     tuned:                      # what was tuned on the validation split, per arm, and with what budget
       grpo: lr in {5e-5, 1e-4, 2e-4}, 3 seeds x 100 steps on validation (study long_sum_tune)
 
@@ -134,9 +135,13 @@ def load_study(folder: Path) -> Study:
     arms = {}
     for name, spec in (raw.get("arms") or {}).items():
         spec = spec or {}
+        unknown = set(spec) - {"configs", "after", "args", "baseline"}
+        if unknown:
+            raise StudyError(f"{path}: arms.{name}: unknown field(s) {', '.join(sorted(unknown))} (known: configs, "
+                             "after, args, baseline)")
         if not spec.get("configs"):
             raise StudyError(f"{path}: arms.{name}.configs: give the arm's config stack")
-        stack = [*spec["configs"], *task]
+        stack = [*spec["configs"], *task, *spec.get("after", [])]
         for config in stack:
             if not (REPO / config).is_file():
                 raise StudyError(f"{path}: arms.{name}: no config file {config}")

@@ -93,6 +93,7 @@ def _write_study(folder: Path, **fields) -> Path:
     ({"baseline": "c"}, "baseline 'c' is not an arm"),
     ({"split": "train"}, "split: 'train'"),
     ({"setup": {"kernel": "sse"}}, "setup.kernel"),
+    ({"arms": {"a": {"configs": ["configs/grpo.yaml"], "task_after": []}}}, "arms.a: unknown field(s) task_after"),
 ])
 def test_a_bad_study_file_is_refused_in_one_line(tmp_path, capsys, fields, message):
     folder = _write_study(tmp_path / "s", **fields)
@@ -101,6 +102,13 @@ def test_a_bad_study_file_is_refused_in_one_line(tmp_path, capsys, fields, messa
     assert err.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and message in lines[0] and "study.yaml" in lines[0]
+
+
+def test_an_arms_stack_is_its_configs_then_the_study_task_then_its_after_configs(tmp_path):
+    folder = _write_study(tmp_path / "s", task=["configs/tasks/calculator.yaml"], arms={
+        "a": {"configs": ["configs/tempo.yaml"], "after": ["configs/tasks/calculator_tempo.yaml"]}}, baseline="a")
+    assert S.load_study(folder).arms["a"].configs == [
+        "configs/tempo.yaml", "configs/tasks/calculator.yaml", "configs/tasks/calculator_tempo.yaml"]
 
 
 def test_a_study_refuses_another_kernel_set_or_thread_count(tmp_path, capsys):
