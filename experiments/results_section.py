@@ -1,0 +1,70 @@
+"""Write docs/results.md's "Protocol studies" section from the protocol studies' CSVs.
+
+    .venv/bin/python experiments/results_section.py            # rewrites the section between its markers
+
+Each study listed in ``STUDIES`` with a pinned setup (``setup.json``) gets its headline table (``study.py``'s
+``headline_rows``: the mean of the last evaluations, mean ± 95% CI, the seed-paired difference to the arm's baseline,
+p-value and verdict) and a line naming the runs it does not have yet. Nothing is typed by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import study as S  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "docs" / "results.md"
+BEGIN, END = "<!-- protocol-studies -->", "<!-- /protocol-studies -->"
+STUDIES = (
+    ("shipped_arithmetic", "Shipped configs on 2-digit addition (a learning check: most mechanisms cannot act here)"),
+    ("reach", "Reach the target (multi-turn, distinct starting states): GRPO and TEMPO"),
+    ("running_sum", "Running sums written out (long responses): GRPO"),
+)
+
+
+def section() -> list[str]:
+    out = [BEGIN, "## Protocol studies", "",
+           "Made by `experiments/study.py` under [the protocol](#the-protocol): one pinned setup per study (commit, `avx2`",
+           "kernels, 1 thread), the test split, 5 seeds, the mean of each run's last 3 evaluations, mean ± 95% CI, and the",
+           "seed-paired difference to the arm's baseline with its p-value (\"within noise\" where its interval holds 0).",
+           "Written by `experiments/results_section.py` from the CSVs in each study's folder; the folder's README has the",
+           "equal-compute table, every run and the notes.", ""]
+    for name, title in STUDIES:
+        folder = REPO / "experiments" / "studies" / name
+        if not (folder / "setup.json").is_file():
+            continue
+        study = S.load_study(folder)
+        runs = S.load_study_runs(study)
+        setup = json.loads((folder / "setup.json").read_text())
+        missing = sorted({a for a in study.arms for s in study.seeds
+                          if not (S.export_dir(study, a, s) / "run.json").is_file()})
+        line = f"[{name}](../experiments/studies/{name}/README.md): commit `{setup['commit'][:10]}`."
+        if missing:
+            line += f" Not finished (runs missing): {', '.join(missing)}."
+        out += [f"### {title}", "", line, "",
+                "| arm | seeds | warm start | last 3 | learns | Δ vs baseline | p (seeds) | verdict |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        out += ["| " + " | ".join(row[:7] + row[8:9]) + " |" for row in S.headline_rows(study, runs)]
+        out.append("")
+    return out + [END]
+
+
+def main() -> None:
+    text = RESULTS.read_text()
+    block = "\n".join(section()) + "\n"
+    if BEGIN in text:
+        start, end = text.index(BEGIN), text.index(END) + len(END) + 1
+        text = text[:start] + block + text[end:]
+    else:
+        anchor = "## Each method on its config"
+        text = text.replace(anchor, block + "\n" + anchor, 1)
+    RESULTS.write_text(text)
+    print(f"wrote the protocol studies section of {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
