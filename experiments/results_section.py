@@ -42,6 +42,10 @@ def section() -> list[str]:
         setup = json.loads((folder / "setup.json").read_text())
         missing = sorted({a for a in study.arms for s in study.seeds
                           if not (S.export_dir(study, a, s) / "run.json").is_file()})
+        if not runs:  # started, nothing exported yet: no table, no README to link
+            out += [f"### {title}", "", f"`experiments/studies/{name}`: started at commit `{setup['commit'][:10]}`, "
+                    "no run finished yet.", ""]
+            continue
         line = f"[{name}](../experiments/studies/{name}/README.md): commit `{setup['commit'][:10]}`."
         if missing:
             line += f" Not finished (runs missing): {', '.join(missing)}."
