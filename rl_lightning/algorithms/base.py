@@ -11,9 +11,7 @@ non-finite values, step; ``after_update``; then the step's metrics (``metrics.py
 
 from __future__ import annotations
 
-import difflib
 import time
-import warnings
 from dataclasses import replace
 from typing import Any
 
@@ -25,7 +23,9 @@ from torch.distributed.tensor import DTensor
 
 from rl_lightning.algorithms.advantages import Advantages
 from rl_lightning.algorithms.auxiliary import AuxiliaryRows, auxiliary_plan, run_auxiliary
-from rl_lightning.algorithms.checks import NonFiniteLossError, check_finite, check_hook_output, check_settings
+from rl_lightning.algorithms.checks import (
+    NonFiniteLossError, check_finite, check_hook_output, check_settings, warn_misspelt_hooks,
+)
 from rl_lightning.algorithms.distributed import Ranks, shard_module
 from rl_lightning.algorithms.evaluation import HeldoutEvaluation
 from rl_lightning.algorithms.forward import LearnerForward, PolicyOutput, with_proximal_logprobs
@@ -80,18 +80,8 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
     forwarded_rows: Tensor | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        """Warn when a subclass defines a public method whose name is one edit or so from a hook of the base or of
-        Lightning (``policy_objectve``): the misspelt method would never be called, and the parent's would run."""
         super().__init_subclass__(**kwargs)
-        known = {name for base in cls.__mro__[1:] for name in vars(base) if not name.startswith("_")}
-        for name, value in vars(cls).items():
-            if name.startswith("_") or name in known or not callable(value):
-                continue
-            close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.9)
-            if close:
-                warnings.warn(f"{cls.__qualname__}.{name} is not a hook of {cls.__mro__[1].__name__}; did you mean "
-                              f"{close[0]}? (as written it is never called, and the parent's {close[0]} runs)",
-                              stacklevel=2)
+        warn_misspelt_hooks(cls)  # a method one edit from a hook would never be called
 
     def __init__(
         self, model_name_or_path: str = "embedded:arithmetic", dtype: DType = "float32",

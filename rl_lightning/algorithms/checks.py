@@ -9,6 +9,8 @@ got <value>")``, which the CLI reports with the config file and line of the fiel
 
 from __future__ import annotations
 
+import difflib
+import warnings
 from typing import Any, Iterable
 
 from torch import Tensor
@@ -42,3 +44,17 @@ def check_finite(value: Tensor, what: str, step: int, iteration: int, minibatch:
         raise NonFiniteLossError(
             f"non-finite {what} ({value.item() if value.numel() == 1 else value}) at step {step} "
             f"(iteration {iteration}, minibatch {minibatch}); the weights were not updated")
+
+
+def warn_misspelt_hooks(cls: type) -> None:
+    """Warn when ``cls`` defines a public method whose name is one edit or so from a hook of its bases (the base's
+    or Lightning's: ``policy_objectve``): the misspelt method would never be called, and the parent's would run."""
+    known = {name for base in cls.__mro__[1:] for name in vars(base) if not name.startswith("_")}
+    for name, value in vars(cls).items():
+        if name.startswith("_") or name in known or not callable(value):
+            continue
+        close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.9)
+        if close:
+            warnings.warn(f"{cls.__qualname__}.{name} is not a hook of {cls.__mro__[1].__name__}; did you mean "
+                          f"{close[0]}? (as written it is never called, and the parent's {close[0]} runs)",
+                          stacklevel=3)
