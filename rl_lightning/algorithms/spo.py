@@ -45,6 +45,9 @@ class SPO(GRPO):
         prioritized: draw prompts by those weights; needs ``data.init_args.prompt_sampler`` to be a
             ``WeightedSampler`` (its pool is the dataset the tracker learns about).
         adv_eps: added to the batch std of the advantages.
+        baseline: ``tracker`` -- ``A = R - v̂_old(x)`` (SPO); ``batch_mean`` -- ``A = R`` before the batch
+            normalisation, i.e. the batch mean as the baseline: the ablation of the tracker, which still learns
+            and still weights the prompt draws.
         **kwargs: ``GRPO`` arguments (clipping, aggregation, optimiser, ...).
     """
 
@@ -53,16 +56,19 @@ class SPO(GRPO):
     def __init__(
         self, discount: Literal["divergence", "constant"] = "divergence", rho_min: float = 0.875,
         rho_max: float = 0.96, half_life: float = 0.06, prior_alpha: float = 0.5, prior_beta: float = 0.5,
-        explore: float = 0.05, prioritized: bool = True, adv_eps: float = 1e-8, **kwargs: Any,
+        explore: float = 0.05, prioritized: bool = True, adv_eps: float = 1e-8,
+        baseline: Literal["tracker", "batch_mean"] = "tracker", **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         spo_discount(torch.zeros(1), half_life, rho_min, rho_max)  # validates the three
         check_settings(self, [("prior_alpha", prior_alpha, prior_alpha > 0, "must be > 0"),
                               ("prior_beta", prior_beta, prior_beta > 0, "must be > 0"),
-                              ("explore", explore, explore >= 0, "must be >= 0")])
+                              ("explore", explore, explore >= 0, "must be >= 0"),
+                              ("baseline", baseline, baseline in ("tracker", "batch_mean"),
+                               "must be 'tracker' or 'batch_mean'")])
         self.discount, self.rho_min, self.rho_max, self.half_life = discount, rho_min, rho_max, half_life
         self.prior = (float(prior_alpha), float(prior_beta))
-        self.explore, self.prioritized, self.adv_eps = explore, prioritized, adv_eps
+        self.explore, self.prioritized, self.adv_eps, self.baseline = explore, prioritized, adv_eps, baseline
         self.tracker: dict[int, tuple[float, float]] = {}  # Prompt.uid -> (α, β)
         self.last_response: dict[int, StoredResponse] = {}
 
@@ -99,7 +105,9 @@ class SPO(GRPO):
         if bool(((rewards < 0) | (rewards > 1)).any()):
             raise ValueError(f"SPO's Beta tracker needs rewards in [0, 1], got a batch with min {float(rewards.min())}"
                              f" and max {float(rewards.max())} (data.init_args.reward_fn)")
-        raw = rewards - self.values(batch.prompt_id.tolist()).to(rewards.device)  # before this step's outcomes
+        raw = rewards  # baseline batch_mean: the normalisation below subtracts the batch mean
+        if self.baseline == "tracker":
+            raw = rewards - self.values(batch.prompt_id.tolist()).to(rewards.device)  # before this step's outcomes
         sums = torch.stack([raw.sum(), (raw * raw).sum(), raw.new_tensor(float(raw.numel()))])
         sums = self.ranks.sum(sums)
         count = float(sums[2])

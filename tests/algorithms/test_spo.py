@@ -56,6 +56,21 @@ def test_advantages_compare_with_the_tracker_before_this_steps_outcomes():
         module.compute_advantages(bad)
 
 
+def test_the_batch_mean_ablation_ignores_the_tracker_in_the_advantages():
+    """baseline=batch_mean: A = (R - mean R) / (std R + eps), whatever the tracker holds (it still updates)."""
+    module = _module(baseline="batch_mean")
+    module.tracker = {7: (3.0, 1.0), 8: (1.0, 3.0)}
+    batch = SimpleNamespace(prompt_id=torch.tensor([7, 8, 9, 9]), rewards=torch.tensor([1.0, 1.0, 0.0, 0.0]))
+    std = torch.tensor([1.0, 1.0, 0.0, 0.0]).std()  # Bessel: sqrt(4 * 0.25 / 3)
+    want = torch.tensor([0.5, 0.5, -0.5, -0.5]) / (std + 1e-8)
+    torch.testing.assert_close(module.compute_advantages(batch), want)
+    with_tracker = _module()
+    with_tracker.tracker = dict(module.tracker)  # the tracker's baseline gives other advantages on this batch
+    assert not torch.allclose(with_tracker.compute_advantages(batch), want)
+    with pytest.raises(ValueError, match="baseline"):
+        _module(baseline="ema")
+
+
 def test_with_rho_one_the_tracker_counts_each_prompts_outcomes(tmp_path):
     """discount=constant, rho_max=1: every prompt's tracker is the prior plus its successes and failures, keyed by
     the stable prompt id across steps (the pool of 6 prompts is revisited)."""
