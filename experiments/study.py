@@ -245,7 +245,8 @@ def resolved_config(study: Study, arm: Arm) -> dict[str, Any]:
     out = subprocess.run([str(BIN / "rl-lightning"), "fit", *fit_args(study, arm, 0), "--print_config"],
                          cwd=REPO, capture_output=True, text=True, env=run_env(study))
     if out.returncode != 0:
-        raise StudyError(f"arm {arm.name}: its config does not resolve: {out.stderr.strip().splitlines()[-1:]}")
+        lines = [line for line in out.stderr.strip().splitlines() if "RL_LIGHTNING_TRACEBACK" not in line]
+        raise StudyError(f"arm {arm.name}: its config does not resolve: {' / '.join(lines[-3:]) or out.returncode}")
     return yaml.safe_load(out.stdout)
 
 
