@@ -51,7 +51,8 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
         lr_scheduler: optional scheduler factory, stepped once per rollout batch.
         num_iterations: μ, passes over each rollout batch; num_minibatches: optimiser steps per pass.
         micro_batch_size: rows per forward/backward (gradient accumulation); ``None`` = the whole minibatch.
-        loss_aggregation: how per-token losses are combined (see ``functional.aggregation_weights``).
+        loss_aggregation: how per-token losses are combined (see ``functional.aggregation_weights``);
+            ``seq_mean_token_sum_norm`` divides by the constant ``loss_norm_length`` (Dr. GRPO: the token budget).
         max_grad_norm: gradient-norm clip (``None`` disables clipping; the norm is still logged).
         logprob_chunk_size: token positions per log-softmax chunk. seed: seeds minibatch shuffling.
         skip_inert_rows: do not forward rows whose loss is exactly zero with zero gradient (``inert_rows``); the
@@ -89,7 +90,7 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
         num_iterations: int = 1, num_minibatches: int = 1, micro_batch_size: int | None = None,
         loss_aggregation: AggregationMode = "seq_mean_token_mean", max_grad_norm: float | None = 1.0,
         logprob_chunk_size: int = 256, seed: int = 0, skip_inert_rows: bool = True, length_bucketing: bool = True,
-        share_prompt_forward: bool = True,
+        share_prompt_forward: bool = True, loss_norm_length: int | None = None,
     ) -> None:
         super().__init__()
         flags = {"skip_inert_rows": skip_inert_rows, "length_bucketing": length_bucketing,
@@ -99,13 +100,15 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
         check_settings(self, [(k, v, isinstance(v, bool), "must be true or false") for k, v in flags.items()] + [
             (k, v, v >= 1, "must be >= 1") for k, v in counts.items()] + [
             ("micro_batch_size", micro_batch_size, micro_batch_size is None or micro_batch_size >= 1, "must be >= 1 or null"),
-            ("max_grad_norm", max_grad_norm, max_grad_norm is None or max_grad_norm > 0, "must be > 0 or null")])
+            ("max_grad_norm", max_grad_norm, max_grad_norm is None or max_grad_norm > 0, "must be > 0 or null"),
+            ("loss_norm_length", loss_norm_length, (loss_norm_length or 0) >= 1 or loss_aggregation != "seq_mean_token_sum_norm",
+             "must be >= 1 with loss_aggregation seq_mean_token_sum_norm (the constant length normaliser)")])
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
         self.optimizer_factory, self.lr_scheduler_factory = optimizer, lr_scheduler
         self.num_iterations, self.num_minibatches, self.micro_batch_size = num_iterations, num_minibatches, micro_batch_size
         self.loss_aggregation, self.max_grad_norm, self.logprob_chunk_size = loss_aggregation, max_grad_norm, logprob_chunk_size
         self.seed, self.skip_inert_rows, self.length_bucketing = seed, skip_inert_rows, length_bucketing
-        self.share_prompt_forward = share_prompt_forward
+        self.share_prompt_forward, self.loss_norm_length = share_prompt_forward, loss_norm_length
         self.policy, self.tokenizer = load_policy(model_name_or_path, dtype)
         self.policy.train()  # from_pretrained returns eval mode; Lightning toggles modes from here on
         self.automatic_optimization = False
@@ -288,7 +291,7 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
 
     def loss_weights(self, batch: RolloutBatch) -> Tensor:
         """Aggregation weights ``[N, T]`` of the whole rollout batch over every rank (``planning.rollout_weights``)."""
-        return rollout_weights(batch, self.loss_aggregation, self.ranks)
+        return rollout_weights(batch, self.loss_aggregation, self.ranks, self.loss_norm_length)
 
     def validation_step(self, batch: RolloutBatch, batch_idx: int) -> None:
         """Nothing: ``HeldoutEvaluation`` reads each held-out batch (``on_validation_batch_end``)."""

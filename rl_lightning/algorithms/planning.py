@@ -237,15 +237,15 @@ def skipped_rows(module: Any, batch: RolloutBatch, adv: Advantages, terms: list[
     return None if rows is None else rows.to(device=batch.loss_mask.device, dtype=torch.bool)
 
 
-def rollout_weights(batch: RolloutBatch, mode: Any, ranks: Any) -> Tensor:
-    """Aggregation weights ``[N, T]`` (``functional.aggregation_weights``) of the whole rollout batch: under data
-    parallelism the sequence/token counts are summed over ``ranks`` and the weights scaled by ``W`` (DDP averages
-    gradients), so the result equals one process holding every rank's rows."""
+def rollout_weights(batch: RolloutBatch, mode: Any, ranks: Any, norm_length: float | None = None) -> Tensor:
+    """Aggregation weights ``[N, T]`` (``functional.aggregation_weights``, ``norm_length`` its constant ``L``) of
+    the whole rollout batch: under data parallelism the sequence/token counts are summed over ``ranks`` and the
+    weights scaled by ``W`` (DDP averages gradients), so the result equals one process holding every rank's rows."""
     if ranks.world_size == 1:
-        return aggregation_weights(batch.loss_mask, mode)
+        return aggregation_weights(batch.loss_mask, mode, norm_length=norm_length)
     counts = ranks.sum(torch.tensor([float(batch.num_rows), float(batch.loss_mask.sum())], device=batch.loss_mask.device))
     return aggregation_weights(batch.loss_mask, mode, num_sequences=int(counts[0]),
-                               num_tokens=float(counts[1])) * ranks.world_size
+                               num_tokens=float(counts[1]), norm_length=norm_length) * ranks.world_size
 
 
 def require_data_setting(module: Any, datamodule: Any, setting: str, what: str, minimum: int = 1) -> None:

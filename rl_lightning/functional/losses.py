@@ -15,7 +15,8 @@ from torch import Tensor
 
 from rl_lightning.functional.kl import kl_estimate
 
-AggregationMode = Literal["seq_mean_token_mean", "token_mean", "seq_mean_token_sum", "token_sum"]
+AggregationMode = Literal["seq_mean_token_mean", "token_mean", "seq_mean_token_sum", "token_sum",
+                          "seq_mean_token_sum_norm"]
 
 
 def clipped_surrogate(ratio: Tensor, advantages: Tensor, eps_low: float, eps_high: float) -> Tensor:
@@ -39,7 +40,7 @@ def clipped_surrogate(ratio: Tensor, advantages: Tensor, eps_low: float, eps_hig
 
 
 def aggregation_weights(mask: Tensor, mode: AggregationMode, num_sequences: int | None = None,
-                        num_tokens: float | None = None) -> Tensor:
+                        num_tokens: float | None = None, norm_length: float | None = None) -> Tensor:
     """Per-token weights ``w`` such that the aggregated loss is ``Σ_{i,t} w_{i,t} ℓ_{i,t}``.
 
     Modes (``T_i`` = number of masked tokens of row ``i``, ``N`` = number of rows)::
@@ -48,9 +49,13 @@ def aggregation_weights(mask: Tensor, mode: AggregationMode, num_sequences: int 
         token_mean           w = 1 / Σ_i T_i      Σ_{i,t} ℓ / Σ_i T_i        -- DAPO / TRL "dapo"
         seq_mean_token_sum   w = 1 / N            (1/N) Σ_i Σ_t ℓ            -- PG / RLOO as spec 003 §1, §3 write it
         token_sum            w = 1                Σ_{i,t} ℓ                  -- Tinker's built-in losses
+        seq_mean_token_sum_norm  w = 1 / (N L)    (1/N) Σ_i Σ_t ℓ / L        -- Dr. GRPO (Liu et al. 2025,
+                                                                             arXiv 2503.20783, eq. 3): L a constant
 
     ``num_sequences`` / ``num_tokens`` override ``N`` / ``Σ T_i`` (pass the global values under data
     parallelism so the normaliser is the whole batch's). Rows with no masked token get weight 0.
+    ``norm_length`` is ``L`` of ``seq_mean_token_sum_norm`` (the generation budget, the same for every batch, so
+    that no response's tokens weigh more for being in a short response or a short batch); only that mode reads it.
 
     Returns:
         ``[B, T]`` weights, zero where ``mask == 0``.
@@ -73,6 +78,10 @@ def aggregation_weights(mask: Tensor, mode: AggregationMode, num_sequences: int 
         return maskf / n
     if mode == "token_sum":
         return maskf
+    if mode == "seq_mean_token_sum_norm":
+        if norm_length is None or norm_length <= 0:
+            raise ValueError(f"aggregation seq_mean_token_sum_norm needs norm_length > 0 (the constant L), got {norm_length}")
+        return maskf / (n * float(norm_length))
     raise ValueError(f"unknown aggregation mode {mode!r}")
 
 

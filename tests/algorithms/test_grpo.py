@@ -147,3 +147,29 @@ def test_several_iterations_and_minibatches_count_one_step_per_rollout(tmp_path,
     # measured before the first update only: on-policy, float32 rounding
     bound = decoder_logprob_bound(module.policy, 1.0, module.policy.config.max_position_embeddings)
     assert recorder.metrics[0]["train/sampler_logp_diff"] <= bound
+
+
+def test_dr_grpo_config_is_grpo_without_the_std_and_length_normalisers(tmp_path):
+    """configs/dr_grpo.yaml (Liu et al. 2025, arXiv 2503.20783): A = R - mean over the group (no std division) and
+    every token weighs 1/(N L) with L = loss_norm_length = data.max_new_tokens. Negative control: the shipped GRPO
+    divides by the std (advantages +-1 on this group) and weighs a 1-token response's token 1/N."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from rl_lightning.cli import build_cli
+
+    repo = Path(__file__).resolve().parents[2]
+    cli = build_cli(["--config", str(repo / "configs" / "dr_grpo.yaml"), f"--trainer.default_root_dir={tmp_path}"],
+                    run=False)
+    module, data = cli.model, cli.datamodule
+    assert type(module) is GRPO and module.loss_norm_length == data.max_new_tokens == 6
+    rewards = SimpleNamespace(rewards=torch.tensor([1.0, 0.0, 0.0, 0.0]), group_size=4)
+    torch.testing.assert_close(module.compute_advantages(rewards), torch.tensor([0.75, -0.25, -0.25, -0.25]))
+    grpo = GRPO(model_name_or_path="embedded:arithmetic")
+    assert grpo.compute_advantages(rewards)[0].item() == pytest.approx(math.sqrt(3), rel=1e-5)  # 0.75 / sqrt(0.1875)
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    batch = SimpleNamespace(loss_mask=mask, num_rows=2)
+    torch.testing.assert_close(module.loss_weights(batch), mask / 12)  # 1 / (N L) = 1 / (2 * 6)
+    assert grpo.loss_weights(batch)[1, 0].item() == pytest.approx(0.5)  # seq_mean_token_mean: 1 / (N T_1)
+    with pytest.raises(ValueError, match="loss_norm_length"):
+        GRPO(model_name_or_path="embedded:arithmetic", loss_aggregation="seq_mean_token_sum_norm")

@@ -129,6 +129,20 @@ def test_aggregation_weights_hand_values():
     torch.testing.assert_close(aggregation_weights(HAND_MASK, "token_sum"), HAND_MASK)
 
 
+def test_constant_length_normaliser_dr_grpo():
+    """seq_mean_token_sum_norm (Dr. GRPO, arXiv 2503.20783): w = 1/(N L) for every token, whatever its row's
+    length; with L = 5 the hand example is (1/4)(6 + 4 + 0 + 11)/5 = 21/20. Negative control: the per-row length
+    normaliser of GRPO (seq_mean_token_mean) gives a short row's tokens more weight (row 1: 1/4 vs 1/20)."""
+    w = aggregation_weights(HAND_MASK, "seq_mean_token_sum_norm", norm_length=5)
+    torch.testing.assert_close(w, HAND_MASK / 20)
+    assert aggregate(HAND_LOSS, w).item() == pytest.approx(21 / 20)
+    assert aggregation_weights(HAND_MASK, "seq_mean_token_mean")[1, 0].item() == pytest.approx(0.25)
+    global_w = aggregation_weights(HAND_MASK, "seq_mean_token_sum_norm", num_sequences=8, norm_length=5)
+    torch.testing.assert_close(global_w, HAND_MASK / 40)  # N is the global row count under data parallelism
+    with pytest.raises(ValueError, match="norm_length"):
+        aggregation_weights(HAND_MASK, "seq_mean_token_sum_norm")
+
+
 def test_aggregation_all_empty_mask_no_nan():
     mask = torch.zeros(3, 5)
     for mode in MODES:
