@@ -20,6 +20,7 @@ from rl_lightning.algorithms.lvrl import LVRL
 from rl_lightning.algorithms.pg import PolicyGradient
 from rl_lightning.algorithms.ppo import PPO
 from rl_lightning.algorithms.reinforce import REINFORCE
+from rl_lightning.algorithms.reinforce_pp import ReinforcePP
 from rl_lightning.algorithms.rloo import RLOO
 from rl_lightning.algorithms.sao import SAO
 from rl_lightning.algorithms.score_centering import ScoreCentering
@@ -29,7 +30,7 @@ from rl_lightning.algorithms.tempo import TEMPO
 from rl_lightning.algorithms.trpo import TRPO
 
 __all__ = [
-    "AC2", "Advantages", "AuxiliaryRows", "BPCO", "CISPO", "CriticLearner", "HeldoutEvaluation", "Summed", "TokenMean", "CoPE", "EasyPPO", "FlashREINFORCE", "GRPO", "GSPO", "LVRL", "PPO", "REINFORCE", "RLOO", "SAO", "SPO",
+    "AC2", "Advantages", "AuxiliaryRows", "BPCO", "CISPO", "CriticLearner", "HeldoutEvaluation", "Summed", "TokenMean", "CoPE", "EasyPPO", "FlashREINFORCE", "GRPO", "GSPO", "LVRL", "PPO", "REINFORCE", "ReinforcePP", "RLOO", "SAO", "SPO",
     "ScoreCentering", "StableReinforce", "TEMPO", "TRPO", "HeldoutObserver", "LossTerm", "NonFiniteLossError", "PolicyGradient",
     "PolicyOutput", "RLModule",
 ]

@@ -10,9 +10,12 @@ from rl_lightning.functional.advantages import (
     ema_update,
     gae,
     group_advantages,
+    kl_penalized_returns,
     leave_one_out_advantages,
     outcome_gae,
     outcome_token_rewards,
+    token_moments,
+    token_normalized_advantages,
 )
 from rl_lightning.functional.credit import (
     anchored_credit,
@@ -143,6 +146,9 @@ __all__ = [
     "gae",
     "gauss_newton_vector_product",
     "group_advantages",
+    "kl_penalized_returns",
+    "token_moments",
+    "token_normalized_advantages",
     "importance_surrogate",
     "kl_estimate",
     "leave_one_out_advantages",
