@@ -244,6 +244,23 @@ def test_ddp_ranks_that_skip_different_rows_agree_and_give_the_one_process_gradi
         _assert_grads_close(g0, grads, f"step {step} (skipping)")
 
 
+def test_ddp_dynamic_sampling_keeps_the_ranks_in_step_with_equal_rows(tmp_path_factory):
+    """Rank 0 never gets an accepted group, so every step draws all 3 rounds on both ranks (the ranks agree on
+    the rounds: no deadlock); each rank trains on its 2 x 4 rows (rank 0 topped up with rejected groups), from
+    the stream's draws d, d + 1, d + 2 of that step (global prompts 4d .. 4d + 3, rank r's slice 4d + 2r, +1)."""
+    _, out = _ddp("grpo-dynamic", tmp_path_factory)
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["params"] == ranks[1]["params"]
+    assert ranks[0]["metrics"]["train/sampling_rounds"] == 3.0
+    assert ranks[0]["extra_draws"] == ranks[1]["extra_draws"] == 2 * STEPS
+    assert ranks[0]["prompt_index"] == [[0, 1], [12, 13]]  # all rejected: the first round's groups
+    for step in range(STEPS):
+        rows = [_step(out, step, r)["batch"]["rewards"].numel() for r in (0, 1)]
+        assert rows == [8, 8]
+        drawn = {4 * d + 2 + k for d in range(3 * step, 3 * step + 3) for k in (0, 1)}
+        assert set(ranks[1]["prompt_index"][step]) <= drawn
+
+
 def test_spo_tracker_is_the_same_on_every_rank_and_holds_every_ranks_prompts(tmp_path_factory):
     """Each rank gathers all ranks' outcomes and applies them in rank order: one tracker, everywhere."""
     _, out = _ddp("spo", tmp_path_factory)

@@ -69,7 +69,8 @@ def test_the_page_shows_the_example_files_verbatim():
         if match:
             titled[match.group(1)] = content
     assert set(titled) == {"docs/examples/dr_grpo.py", "docs/examples/dr_grpo.yaml", "docs/examples/steering.py",
-                           "docs/examples/head_kl.py", "docs/examples/value_rows.py", "docs/examples/branching.py"}
+                           "docs/examples/head_kl.py", "docs/examples/value_rows.py", "docs/examples/branching.py",
+                           "docs/examples/group_filters.py"}
     for path, content in titled.items():
         assert content == (REPO / path).read_text(), f"docs/extending.md is out of date with {path}"
     assert len((EXAMPLES / "dr_grpo.py").read_text().splitlines()) < 60
@@ -319,3 +320,26 @@ def test_the_branching_example_continues_from_stored_end_states(tmp_path):
     again = branching.ReplayGRPO(model_name_or_path="embedded:guess")
     again.on_load_checkpoint(torch.load(tmp_path / "c.ckpt", weights_only=True))
     assert again.store.items == module.store.items
+
+
+def test_the_group_filter_and_reward_shaper_example_run_and_compute_what_they_say(tmp_path):
+    """docs/examples/group_filters.py: MixedAccuracy on a hand batch, then both in a 2-step fit (the filter keeps
+    only mixed groups when enough exist; the shaper's term is bonus x the unused budget share)."""
+    from rl_lightning.algorithms import GRPO
+    from tests.conftest import RecordRollouts, tiny_datamodule, tiny_trainer
+
+    example = _example("group_filters")
+    batch = SimpleNamespace(rewards=torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0]), group_size=2)
+    assert example.MixedAccuracy(0.0, 1.0).keep(batch).tolist() == [False, True, False]
+    shaper = example.BrevityBonus(bonus=0.2)
+    shaper.bind(SimpleNamespace(max_new_tokens=4))
+    shaped = shaper.term(SimpleNamespace(loss_mask=torch.tensor([[1, 0, 0, 0], [1, 1, 1, 1]]),
+                                         rewards=torch.zeros(2)))
+    assert shaped.tolist() == pytest.approx([0.15, 0.0])  # 0.2 x (1 - 1/4), 0.2 x (1 - 4/4)
+    record = RecordRollouts()
+    data = tiny_datamodule(group_filter=example.MixedAccuracy(), max_rounds=2, temperature=1.5,
+                           reward_shapers=[example.BrevityBonus(bonus=0.1)])
+    tiny_trainer(tmp_path, max_steps=2, callbacks=[record]).fit(GRPO(model_name_or_path="embedded:arithmetic"),
+                                                              datamodule=data)
+    assert len(record.rewards) == 2 and all(r.numel() == 16 for r in record.rewards)
+    assert all(r.max() <= 1.1 and r.min() >= 0.0 for r in record.rewards)  # task reward 0 or 1, plus up to 0.1

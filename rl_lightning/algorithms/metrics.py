@@ -240,6 +240,9 @@ class StepLogging:
         take = getattr(getattr(self.trainer, "datamodule", None), "take_sampled_tokens", None)
         if callable(take):  # every token sampled in the step, one-off rollouts of callbacks included
             perf["perf/sampled_tokens"] = torch.tensor(float(take()))
+        fill = getattr(getattr(self.trainer, "datamodule", None), "take_rollout_metrics", None)
+        if callable(fill):  # dynamic sampling's (the same names on every rank: the data module's group_filter)
+            perf.update(fill())
         log_step(self, {**perf, **dict(sorted(extra.items()))}, step, rows, bar=tuple(extra))
 
     def learning_rates(self) -> dict[str, Tensor]:

@@ -67,6 +67,7 @@ from rl_lightning.functional.losses import (
     ValueLossStats,
 )
 from rl_lightning.functional.masked import masked_mean, masked_sum, masked_whiten
+from rl_lightning.functional.shaping import overlong_penalty
 from rl_lightning.functional.tracker import (
     beta_tracker_update,
     normalized_advantages,
@@ -158,6 +159,7 @@ __all__ = [
     "normalized_advantages",
     "outcome_gae",
     "outcome_token_rewards",
+    "overlong_penalty",
     "policy_gradient_loss",
     "sampling_log_softmax",
     "sampling_logits",

@@ -7,8 +7,10 @@ from rl_lightning.rollout.encoding import PromptEncoder
 from rl_lightning.rollout.engine import EngineSession, RolloutEngine, SamplingParams, Turn, check_capabilities
 from rl_lightning.rollout.engines import HFGenerateEngine, KVCacheEngine, ModuleEngine
 from rl_lightning.rollout.episodes import EpisodeGeneration, sample_episodes
+from rl_lightning.rollout.filters import GroupFilter, RewardSpread
 from rl_lightning.rollout.generation import Generation, position_ids_from_mask, sample
 from rl_lightning.rollout.prompts import PromptSampler, SequentialSampler, WeightedSampler
+from rl_lightning.rollout.shaping import OverlongPenalty, RewardShaper
 from rl_lightning.rollout.strategies import GroupRollout, RolloutContext, RolloutStrategy
 from rl_lightning.rollout.sync import SamplerSync
 from rl_lightning.rollout.vllm_engines import VLLMEngine, VLLMServerEngine
@@ -21,13 +23,17 @@ __all__ = [
     "EngineSession",
     "EpisodeGeneration",
     "Generation",
+    "GroupFilter",
     "GroupRollout",
     "HFGenerateEngine",
     "KVCacheEngine",
     "ModuleEngine",
+    "OverlongPenalty",
     "PromptBatch",
     "PromptEncoder",
     "PromptSampler",
+    "RewardShaper",
+    "RewardSpread",
     "RolloutBatch",
     "RolloutContext",
     "RolloutDataModule",

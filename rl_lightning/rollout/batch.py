@@ -257,6 +257,62 @@ class RolloutBatch:
             end_states=[self.end_states[i] for i in idx] if self.end_states is not None else None,
         )
 
+    @classmethod
+    def concat(cls, batches: list[RolloutBatch], pad_id: int = 0) -> RolloutBatch:
+        """One batch of ``batches``' rows in order (single- and multi-turn alike), e.g. rounds of dynamic sampling.
+
+        The prompt part of ``input_ids``/``attention_mask`` is left-padded to the longest prompt (``pad_id``,
+        attention 0), every per-token field right-padded to the widest response (``turn_index`` with -1, the
+        rest with 0), ``turn_rewards`` to the most turns with NaN. Row fields, texts, end states and ``extras``
+        (same trailing shape) are concatenated; ``env_errors`` and the timings add up. The batches must share
+        ``group_size``, ``temperature`` and ``top_p``, and record the same optional fields.
+        """
+        if not batches:
+            raise ValueError("RolloutBatch.concat needs at least one batch")
+        first = batches[0]
+        for b in batches[1:]:
+            for name in ("group_size", "temperature", "top_p"):
+                if getattr(b, name) != getattr(first, name):
+                    raise ValueError(f"RolloutBatch.concat: {name} differs ({getattr(b, name)} vs {getattr(first, name)})")
+            for name in (*_ROW_TENSORS, "end_states"):
+                if (getattr(b, name) is None) != (getattr(first, name) is None):
+                    raise ValueError(f"RolloutBatch.concat: {name} is recorded in some batches and not in others")
+            if set(b.extras) != set(first.extras):
+                raise ValueError("RolloutBatch.concat: the batches carry different extras")
+        p = max(b.prompt_length for b in batches)
+        t = max(b.input_ids.shape[1] - b.prompt_length for b in batches)
+
+        def widen(value: Tensor, width: int, fill: float, left: bool = False) -> Tensor:
+            extra = width - value.shape[1]
+            if extra == 0:
+                return value
+            pad = value.new_full((value.shape[0], extra, *value.shape[2:]), fill)
+            return torch.cat([pad, value] if left else [value, pad], dim=1)
+
+        def sides(b: RolloutBatch, name: str, fill: int) -> Tensor:
+            value = getattr(b, name)
+            prompt, response = value[:, :b.prompt_length], value[:, b.prompt_length:]
+            return torch.cat([widen(prompt, p, fill, left=True), widen(response, t, 0)], dim=1)
+
+        joined: dict[str, Any] = {"input_ids": torch.cat([sides(b, "input_ids", pad_id) for b in batches]),
+                                  "attention_mask": torch.cat([sides(b, "attention_mask", 0) for b in batches])}
+        for name in _ROW_TENSORS[2:]:
+            if getattr(first, name) is None:
+                continue
+            values = [getattr(b, name) for b in batches]
+            if name == "turn_rewards":
+                values = [widen(v, max(u.shape[1] for u in values), float("nan")) for v in values]
+            elif values[0].dim() >= 2:
+                values = [widen(v, t, -1 if name == "turn_index" else 0) for v in values]
+            joined[name] = torch.cat(values)
+        return replace(
+            first, **joined, prompt_length=p,
+            prompts=[x for b in batches for x in b.prompts], responses=[x for b in batches for x in b.responses],
+            end_states=None if first.end_states is None else [e for b in batches for e in b.end_states],
+            extras={k: torch.cat([b.extras[k] for b in batches]) for k in first.extras},
+            env_errors=sum(b.env_errors for b in batches), rollout_time=sum(b.rollout_time for b in batches),
+            reward_time=sum(b.reward_time for b in batches))
+
     @property
     def cut(self) -> Tensor | None:
         """``[N]`` bool: the episodes that did not terminate (``~terminated``; ``None`` when not recorded)."""

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Literal, get_args
 import torch
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_info
-from torch import nn
+from torch import Tensor, nn
 from torch.utils.data import DataLoader, IterableDataset
 
 from rl_lightning.envs.base import Prompt, RewardFunction, Task
@@ -31,7 +31,9 @@ from rl_lightning.rollout.branching import Branch, BranchRollout
 from rl_lightning.rollout.encoding import PromptEncoder
 from rl_lightning.rollout.engine import AUX_DRAWS, TOPK, RolloutEngine, SamplingParams, check_capabilities
 from rl_lightning.rollout.engines import KVCacheEngine
+from rl_lightning.rollout.filters import GroupFilter, group_rows
 from rl_lightning.rollout.prompts import PromptSampler, SequentialSampler, WeightedSampler
+from rl_lightning.rollout.shaping import RewardShaper
 from rl_lightning.rollout.strategies import GroupRollout, RolloutContext, RolloutStrategy
 from rl_lightning.rollout.sync import SamplerSync
 
@@ -106,6 +108,18 @@ class RolloutDataModule(LightningDataModule):
             the lag). Not bit-reproducible (thread timing decides which weights draw which batch).
         max_staleness: with ``async_queue``, the learner never consumes a batch drawn more than this many policy
             versions (updates) ago; older ones are dropped (``dropped_batches``).
+        group_filter: dynamic sampling (``rollout.filters``; DAPO's with ``RewardSpread``): a training step keeps
+            the prompt groups this filter accepts and draws the prompt stream's next prompts for more, up to
+            ``max_rounds`` rollouts in all, until every rank holds ``prompts_per_step / W`` accepted groups; each
+            rank then keeps exactly that many (accepted ones first, topped up with rejected ones when the rounds
+            ran out), so every rank trains on equal rows. Every sampled token counts in ``perf/sampled_tokens``;
+            logged: ``train/prefilter_reward``, ``train/sampling_rounds``, ``train/kept_group_fraction``.
+        max_rounds: the most rollouts one training step draws with a ``group_filter`` (1: filter nothing away,
+            only reorder).
+        reward_shapers: terms added to every training batch's rewards after the task's verifier (and after
+            ``group_filter`` chose the groups on the task's reward), e.g. DAPO's ``OverlongPenalty``
+            (``rollout.shaping``); held-out evaluation is never shaped. Logged: ``train/task_reward`` and each
+            shaper's mean term.
     """
 
     def __init__(
@@ -132,6 +146,9 @@ class RolloutDataModule(LightningDataModule):
         record_aux_draws: int = 0,
         async_queue: int = 0,
         max_staleness: int = 2,
+        group_filter: GroupFilter | None = None,
+        max_rounds: int = 1,
+        reward_shapers: list[RewardShaper] | None = None,
     ) -> None:
         super().__init__()
         checks = {
@@ -142,7 +159,7 @@ class RolloutDataModule(LightningDataModule):
             "eval_split": eval_split in ("test", "validation"),
             "record_topk": record_topk >= 0, "record_aux_draws": record_aux_draws >= 0,
             "sampler_dtype": sampler_dtype is None or sampler_dtype in get_args(DType),
-            "async_queue": async_queue >= 0, "max_staleness": max_staleness >= 0,
+            "async_queue": async_queue >= 0, "max_staleness": max_staleness >= 0, "max_rounds": max_rounds >= 1,
         }
         for name, ok in checks.items():
             if not ok:
@@ -176,6 +193,16 @@ class RolloutDataModule(LightningDataModule):
             raise ValueError(f"RolloutDataModule: async_queue={async_queue} needs sampler_sync_interval=1 (the "
                              f"producer's copy of the policy is the lag), got {sampler_sync_interval}")
         self.async_queue, self.max_staleness = async_queue, max_staleness
+        if group_filter is not None and async_queue:
+            raise ValueError("RolloutDataModule: group_filter (dynamic sampling) is not supported with async_queue; "
+                             "set one of them")
+        self.group_filter, self.max_rounds = group_filter, max_rounds
+        self.extra_draws = 0  # prompt draws beyond one per step so far (dynamic sampling's refills)
+        self._extra_draws_at_step = 0  # ... when the current step's rollout began (what a mid-step checkpoint saves)
+        self._fill_metrics: dict[str, Tensor] = {}
+        self.reward_shapers = list(reward_shapers or [])
+        for shaper in self.reward_shapers:
+            shaper.bind(self)
         self.sync = SamplerSync(self.engine, sampler_sync_interval, sampler_dtype, asynchronous=async_queue > 0)
         self._producer: RolloutProducer | None = None
         self._pending_producer: dict[str, Any] | None = None
@@ -307,8 +334,9 @@ class RolloutDataModule(LightningDataModule):
 
     def context(self, engine: RolloutEngine, batch: PromptBatch, device: torch.device) -> RolloutContext:
         """What the strategy makes ``batch``'s rollout with."""
+        rank, world = self._world()
         return RolloutContext(self._learner()[1], engine, self.task, self.reward_fn, self.sampling_params(batch),
-                              self.group_size, self.seed, device)
+                              self.group_size, self.seed, device, rank, world)
 
     def sampler(self) -> nn.Module | None:
         """The model that generates this step: the policy, or its copy (lagged: refreshed every
@@ -331,7 +359,8 @@ class RolloutDataModule(LightningDataModule):
             produced = self._take_produced().batch.to(device)
             return self._counted(replace(produced, rollout_time=time.perf_counter() - start, reward_time=0.0))
         if train and not batch.prompts:  # drawn now, with the sampler's weights of this moment
-            batch = self.prompt_batch(batch.step)
+            self._extra_draws_at_step = self.extra_draws
+            batch = self.prompt_batch(batch.step + self.extra_draws)  # the stream's next draw
         engine = self.sync.for_step(policy, self.cursor) if train else self.sync.current(policy, self._version())
         try:
             out = self.strategy.rollout(self.context(engine, batch, device), batch)
@@ -341,7 +370,61 @@ class RolloutDataModule(LightningDataModule):
         if train:
             self.cursor += 1
             self._counted(out)
+            if self.group_filter is not None:
+                out = self._filled(engine, out, batch.step, device)
+            if self.reward_shapers:
+                out = self._shaped(out)
         return out
+
+    def _shaped(self, batch: RolloutBatch) -> RolloutBatch:
+        """``batch`` with every ``reward_shapers`` term added to its rewards (their means kept for the step's log)."""
+        terms = {shaper.metric: shaper.term(batch) for shaper in self.reward_shapers}
+        self._fill_metrics["train/task_reward"] = batch.rewards.float().mean()
+        self._fill_metrics.update({name: term.float().mean() for name, term in terms.items()})
+        return replace(batch, rewards=batch.rewards + sum(terms.values()))
+
+    def _filled(self, engine: RolloutEngine, first: RolloutBatch, draw: int, device: torch.device) -> RolloutBatch:
+        """Dynamic sampling: ``first`` and more rounds from the stream's next draws, until every rank has
+        ``prompts_per_step / W`` groups the ``group_filter`` accepts (or ``max_rounds``); this rank's that many
+        groups, accepted ones first (see ``group_filter``)."""
+        want, g = self.prompts_per_step // self._world()[1], self.group_size
+        rounds, keeps = [first], [self.group_filter.keep(first).bool()]
+        while len(rounds) < self.max_rounds and self._fewest(sum(int(k.sum()) for k in keeps), device) < want:
+            draw += 1
+            more = self.prompt_batch(draw)
+            rounds.append(self._counted(self.strategy.rollout(self.context(engine, more, device), more)))
+            keeps.append(self.group_filter.keep(rounds[-1]).bool())
+        self.extra_draws += len(rounds) - 1
+        parts = [r.select(group_rows(torch.nonzero(k == side).squeeze(1), g))
+                 for side in (True, False) for r, k in zip(rounds, keeps) if bool((k == side).any())]
+        joined = RolloutBatch.concat(parts, pad_id=self._pad_id())
+        rows = torch.cat([r.rewards for r in rounds])
+        groups = float(sum(k.numel() for k in keeps))
+        self._fill_metrics = {**self._fill_metrics, "train/prefilter_reward": rows.float().mean(),
+                              "train/sampling_rounds": torch.tensor(float(len(rounds))),
+                              "train/kept_group_fraction": torch.tensor(sum(float(k.sum()) for k in keeps) / groups)}
+        return replace(joined.select(torch.arange(want * g, device=joined.rewards.device)),
+                       env_errors=sum(r.env_errors for r in rounds), rollout_time=sum(r.rollout_time for r in rounds),
+                       reward_time=sum(r.reward_time for r in rounds))
+
+    def _fewest(self, count: int, device: torch.device) -> int:
+        """The smallest ``count`` over the ranks (every rank calls it equally often: the rounds stay in step)."""
+        if self._world()[1] == 1 or not torch.distributed.is_initialized():
+            return count
+        value = torch.tensor(float(count), device=device)
+        torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN)
+        return int(value)
+
+    def _pad_id(self) -> int:
+        tokenizer = self._learner()[1].tokenizer
+        pad = getattr(tokenizer, "pad_token_id", None)
+        return int(pad if pad is not None else getattr(tokenizer, "eos_token_id", 0) or 0)
+
+    def take_rollout_metrics(self) -> dict[str, Tensor]:
+        """The last training rollout's dynamic-sampling and shaping metrics (none without a ``group_filter`` or
+        ``reward_shapers``), once."""
+        taken, self._fill_metrics = self._fill_metrics, {}
+        return taken
 
     def _counted(self, batch: RolloutBatch) -> RolloutBatch:
         """Count ``batch``'s sampled tokens (its ``loss_mask``: a prefix or observation ids are not sampled)."""
@@ -459,12 +542,15 @@ class RolloutDataModule(LightningDataModule):
         if state is not None and state.fn == "fit" and hasattr(trainer, "global_step"):
             cursor = min(cursor, trainer.global_step)
         state: dict[str, Any] = {"cursor": cursor, **self.sync.state_dict()}
+        if self.group_filter is not None:  # mid-step: the refills of the step being trained on are drawn again
+            state["extra_draws"] = self.extra_draws if cursor == self.cursor else self._extra_draws_at_step
         if self._producer is not None:  # mid-step (cursor ahead of the updates done): keep the batch being trained on
             state["producer"] = self._producer.state_dict(include_last_taken=self.cursor > cursor)
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.cursor = int(state_dict["cursor"])
+        self.extra_draws = self._extra_draws_at_step = int(state_dict.get("extra_draws", 0))
         self.sync.load_state_dict(state_dict)
         self._pending_producer = state_dict.get("producer")
         if self._producer is not None:

@@ -44,6 +44,8 @@ class RolloutContext:
         group_size: samples per training prompt (``G``).
         seed: the data module's seed (environment seeds derive from it).
         device: where the ``RolloutBatch`` goes (the learner's device).
+        rank, world_size: this process's data-parallel rank and the number of ranks (a strategy that draws
+            anything per rank reads them here, never from the sampling seed).
     """
 
     encoder: PromptEncoder
@@ -54,6 +56,8 @@ class RolloutContext:
     group_size: int
     seed: int
     device: torch.device
+    rank: int = 0
+    world_size: int = 1
 
     @property
     def tokenizer(self) -> Any:

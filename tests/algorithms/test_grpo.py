@@ -173,3 +173,21 @@ def test_dr_grpo_config_is_grpo_without_the_std_and_length_normalisers(tmp_path)
     assert grpo.loss_weights(batch)[1, 0].item() == pytest.approx(0.5)  # seq_mean_token_mean: 1 / (N T_1)
     with pytest.raises(ValueError, match="loss_norm_length"):
         GRPO(model_name_or_path="embedded:arithmetic", loss_aggregation="seq_mean_token_sum_norm")
+
+
+def test_dapo_config_is_grpo_with_clip_higher_token_mean_dynamic_sampling_and_the_overlong_penalty(tmp_path):
+    """configs/dapo.yaml (Yu et al. 2025, arXiv 2503.14476): GRPO's class with its four pieces set, each checked."""
+    from pathlib import Path
+
+    from rl_lightning.cli import build_cli
+    from rl_lightning.rollout import OverlongPenalty, RewardSpread
+
+    repo = Path(__file__).resolve().parents[2]
+    cli = build_cli(["--config", str(repo / "configs" / "dapo.yaml"), f"--trainer.default_root_dir={tmp_path}"],
+                    run=False)
+    module, data = cli.model, cli.datamodule
+    assert type(module) is GRPO and (module.clip_eps_low, module.clip_eps_high) == (0.2, 0.28)
+    assert module.loss_aggregation == "token_mean" and module.scale_rewards
+    assert isinstance(data.group_filter, RewardSpread) and data.max_rounds == 3
+    (shaper,) = data.reward_shapers
+    assert isinstance(shaper, OverlongPenalty) and (shaper.cache_tokens, shaper.max_tokens) == (2, 6)

@@ -14,7 +14,9 @@ rows while rank 1 forwards some, so the ranks must still agree on the number of 
 one row: the ranks pad to the same number of backward passes), and a callback that adds ``train/rank_value`` (the
 rank) with ``add_step_metrics``; ``rank{r}.json`` holds its logged value. ``grpo-eval`` is GRPO with a held-out
 evaluation before and after every step (15 held-out prompts: 8 on rank 0, 7 on rank 1, in batches of 4), logged by a
-``CSVLogger`` into ``OUT_DIR/run/version_0`` (``metrics.csv``, ``eval_items.csv``).
+``CSVLogger`` into ``OUT_DIR/run/version_0`` (``metrics.csv``, ``eval_items.csv``). ``grpo-dynamic`` is GRPO with
+dynamic sampling (``RewardSpread``, 3 rounds) where no group on rank 0 has a reward spread: both ranks must draw
+every round.
 """
 
 from __future__ import annotations
@@ -150,6 +152,7 @@ class Dump(Callback):
             "prompt_ids": self.prompt_ids,
         }
         record["metrics"] = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+        record["extra_draws"] = getattr(trainer.datamodule, "extra_draws", None)
         if hasattr(pl_module, "tracker"):  # SPO: the per-prompt tracker, to compare across ranks
             record["tracker"] = sorted([uid, a, b] for uid, (a, b) in pl_module.tracker.items())
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
@@ -182,6 +185,13 @@ def main() -> None:
         module = GRPO(model_name_or_path="embedded:arithmetic", optimizer=optimizer)
         dump = Dump(out)
         data = tiny_datamodule(prompts_per_step=4, task=ArithmeticTask(num_heldout=15), val_batch_size=4)
+    elif method == "grpo-dynamic":  # dynamic sampling: rank 0's groups never pass RewardSpread, rank 1's do
+        from rl_lightning.rollout import RewardSpread
+
+        module = GRPO(model_name_or_path="embedded:arithmetic", optimizer=optimizer)
+        dump = Dump(out)
+        data = tiny_datamodule(prompts_per_step=4, reward_fn=ConstantOnRankZero(), group_filter=RewardSpread(),
+                               max_rounds=3)
     elif method == "spo":  # a pool of 6 prompts, 4 per step: the ranks revisit each other's prompts
         module = SPO(model_name_or_path="embedded:arithmetic", optimizer=optimizer)
         dump = Dump(out)
