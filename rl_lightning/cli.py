@@ -53,6 +53,7 @@ from rl_lightning.callbacks.reward_check import ConstantRewardWarning
 from rl_lightning.callbacks.safety import (FailureDump, FinalCheckpoint, GracefulInterrupt, RunInterrupted, RunStopped,
                                           checkpoint_dir)
 from rl_lightning.cli_parser import ConfigParseError, Parser, class_switches
+from rl_lightning.functional.errors import ConfigError
 from rl_lightning.replay import replay_main
 from rl_lightning.rollout.datamodule import RolloutDataModule
 
@@ -349,12 +350,16 @@ _NEGATIVE = re.compile(r"^-(\d|\.\d|inf\b|nan\b)", re.IGNORECASE)
 def configuration_error(exc: BaseException) -> BaseException | None:
     """The library's own configuration error at the root of ``exc``'s cause chain, or ``None``.
 
-    That is a ``ValueError`` / ``TypeError`` / ``FileNotFoundError`` / ``NotADirectoryError`` raised by code in
-    this package (its argument checks); errors raised elsewhere, and any other type, are not.
+    That is a ``ConfigError`` raised anywhere (user code included: ``check_settings``, or raised directly), or a
+    ``ValueError`` / ``TypeError`` / ``FileNotFoundError`` / ``NotADirectoryError`` raised by code in this package
+    (its argument checks); other errors raised elsewhere, and any other type, are not.
     """
     root = exc
     while root.__cause__ is not None:
         root = root.__cause__
+    config_error = next((link for link in _chain(exc) if isinstance(link, ConfigError)), None)
+    if config_error is not None:
+        return config_error
     if not isinstance(root, (ValueError, TypeError, FileNotFoundError, NotADirectoryError)):
         return None
     frame = root.__traceback__
@@ -474,6 +479,9 @@ def cli_main(argv: list[str] | None = None) -> None:
     except Exception as exc:  # noqa: BLE001 -- re-raised unless it is a user error
         if traceback_wanted:
             raise
+        config_error = configuration_error(exc)
+        if isinstance(config_error, ConfigError):  # raised anywhere, a reward function's call included
+            _fail(str(config_error), 2, _section(exc))
         failure = runtime_failure(exc)
         if failure is not None:
             where = getattr(failure, "failure_dir", None) or getattr(exc, "failure_dir", None)

@@ -210,3 +210,65 @@ def test_checkpointing_off_drops_the_configs_checkpoint_callback_and_runs(tmp_pa
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "the config's ModelCheckpoint is dropped" in proc.stderr + proc.stdout
     assert not list(tmp_path.rglob("*.ckpt"))
+
+
+USER_MODULE = '''
+from rl_lightning import ConfigError, check_settings
+from rl_lightning.algorithms import GRPO
+from rl_lightning.envs.base import RewardFunction
+from rl_lightning.rollout import GroupRollout
+
+
+class MyGRPO(GRPO):
+    def __init__(self, floor: float = 0.1, refuse_data: bool = False, plain_error: bool = False, **kwargs):
+        super().__init__(**kwargs)
+        check_settings(self, [("floor", floor, floor > 0, "must be > 0")])
+        self.refuse_data, self.plain_error = refuse_data, plain_error
+
+    def check_datamodule(self, datamodule):
+        if self.refuse_data:
+            raise ConfigError("MyGRPO: data.init_args.group_size must be 16 for this method")
+        if self.plain_error:
+            raise ValueError("a plain ValueError from user code")
+
+
+class PickyStrategy(GroupRollout):
+    def rollout(self, ctx, batch):
+        raise ConfigError("PickyStrategy: this task has no tools")
+
+
+class PickyReward(RewardFunction):
+    def __call__(self, prompt, response):
+        raise ConfigError("PickyReward: the task has no reference answers")
+'''
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--model.init_args.floor", "0"], "MyGRPO: floor must be > 0, got 0"),
+    (["--model.init_args.refuse_data", "true"], "MyGRPO: data.init_args.group_size must be 16"),
+    (["--data.init_args.strategy", "myext.PickyStrategy"], "PickyStrategy: this task has no tools"),
+    (["--data.init_args.reward_fn", "myext.PickyReward"], "PickyReward: the task has no reference answers"),
+])
+def test_a_config_error_from_user_code_is_one_line_with_exit_2(tmp_path, args, expected):
+    """A researcher's own class (constructor via check_settings, check_datamodule, a strategy, a reward function)
+    raising ConfigError gets the library's one-line form; they printed 42-115-line tracebacks before."""
+    (tmp_path / "myext.py").write_text(USER_MODULE)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+    proc = subprocess.run([sys.executable, "-m", "rl_lightning", "fit", "--config", str(GRPO), "--model", "myext.MyGRPO",
+                           *args, "--trainer.max_steps", "1", "--trainer.logger.init_args.save_dir", str(tmp_path)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("rl-lightning: error")]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert len(errors) == 1 and expected in errors[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_plain_error_from_user_code_keeps_its_traceback(tmp_path):
+    """Only ConfigError is a configuration error when user code raises it: a plain ValueError may be a bug."""
+    (tmp_path / "myext.py").write_text(USER_MODULE)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+    proc = subprocess.run([sys.executable, "-m", "rl_lightning", "fit", "--config", str(GRPO), "--model", "myext.MyGRPO",
+                           "--model.init_args.plain_error", "true", "--trainer.max_steps", "1",
+                           "--trainer.logger.init_args.save_dir", str(tmp_path)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 1 and "Traceback" in proc.stderr and "a plain ValueError from user code" in proc.stderr

@@ -4,6 +4,7 @@ from rl_lightning.algorithms.ac2 import AC2
 from rl_lightning.algorithms.advantages import Advantages
 from rl_lightning.algorithms.auxiliary import AuxiliaryRows
 from rl_lightning.algorithms.base import NonFiniteLossError, RLModule
+from rl_lightning.algorithms.checks import check_settings
 from rl_lightning.algorithms.protocols import LossTerm
 from rl_lightning.algorithms.bpco import BPCO
 from rl_lightning.algorithms.cispo import CISPO
@@ -11,7 +12,7 @@ from rl_lightning.algorithms.cope import CoPE
 from rl_lightning.algorithms.critic import CriticLearner
 from rl_lightning.algorithms.evaluation import HeldoutEvaluation, HeldoutObserver
 from rl_lightning.algorithms.forward import PolicyOutput
-from rl_lightning.algorithms.metrics import Summed, TokenMean
+from rl_lightning.algorithms.metrics import Summed, TokenMean, clip_metrics
 from rl_lightning.algorithms.easyppo import EasyPPO
 from rl_lightning.algorithms.flash_reinforce import FlashREINFORCE
 from rl_lightning.algorithms.grpo import GRPO
@@ -32,5 +33,5 @@ from rl_lightning.algorithms.trpo import TRPO
 __all__ = [
     "AC2", "Advantages", "AuxiliaryRows", "BPCO", "CISPO", "CriticLearner", "HeldoutEvaluation", "Summed", "TokenMean", "CoPE", "EasyPPO", "FlashREINFORCE", "GRPO", "GSPO", "LVRL", "PPO", "REINFORCE", "ReinforcePP", "RLOO", "SAO", "SPO",
     "ScoreCentering", "StableReinforce", "TEMPO", "TRPO", "HeldoutObserver", "LossTerm", "NonFiniteLossError", "PolicyGradient",
-    "PolicyOutput", "RLModule",
+    "PolicyOutput", "RLModule", "check_settings", "clip_metrics",
 ]

@@ -3,8 +3,9 @@ update refuses a non-finite loss or gradient (``NonFiniteLossError``, before any
 the one way the base refuses a hook's output of the wrong shape, naming the hook and the shape it expected (a
 ``[n]`` objective where ``[n, T]`` belongs would otherwise broadcast, silently when ``n == T``).
 
-Each rule is ``(field, value, valid, rule)``; the first invalid one raises ``ValueError("<Class>: <field> <rule>,
-got <value>")``, which the CLI reports with the config file and line of the field (``model.init_args.<field>``).
+Each rule is ``(field, value, valid, rule)``; the first invalid one raises ``ConfigError("<Class>: <field> <rule>,
+got <value>")`` (a ``ValueError``), which the CLI reports in one line with the config file and line of the field
+(``model.init_args.<field>``) -- from the library's classes and from a user's own alike.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Any, Iterable
 
 from torch import Tensor
 
+from rl_lightning.functional.errors import ConfigError
+
 
 class NonFiniteLossError(FloatingPointError):
     """A loss or gradient was NaN/inf; raised before the optimiser step, so the weights stay finite."""
@@ -24,7 +27,7 @@ def check_settings(owner: Any, rules: Iterable[tuple[str, Any, bool, str]]) -> N
     """Raise for the first rule whose ``valid`` is false (see the module docstring)."""
     for name, value, valid, rule in rules:
         if not valid:
-            raise ValueError(f"{type(owner).__name__}: {name} {rule}, got {value!r}")
+            raise ConfigError(f"{type(owner).__name__}: {name} {rule}, got {value!r}")
 
 
 def check_hook_output(owner: Any, hook: str, value: Any, shapes: Iterable[tuple[int, ...]], what: str) -> None:
