@@ -1,5 +1,5 @@
-"""AC2: short continuations of replayed response prefixes, valued by a value-token critic once it is trusted (spec
-000, "Changing what critics do", AC2; NOTES §11; no reference code found).
+"""AC2: short continuations of replayed response prefixes, valued by a value-token critic once it is trusted (no
+paper or reference code found: docs/algorithms.md, AC2).
 
 Each step continues ``G`` chunks (``BranchRollout``, ``data.group_size = G``) of ``chunk_tokens`` sampled tokens from
 every prefix ``s``: the step's prompts with an empty prefix, and ``replay`` prefixes that earlier steps' chunks left
@@ -13,10 +13,9 @@ with ``V_θ`` the ``GenerativeCritic`` on the policy's weights (the prompt, the 
 token). ``Â_i = v_i - v̄`` over the prefix's ``G`` chunks (``Σ_i Â_i = 0``) is shared by the chunk's tokens; the prefix
 is context (the prompt part of the row), so replayed prefix tokens get no actor loss. The loss is GRPO's clipped
 surrogate. The critic learns, in the same update (auxiliary rows), the cross-entropy of the value token of ``v̄``'s
-nearest bin at ``s`` (the spec: "output the rounded group mean"; self-bootstrapped where ``v`` mixes predictions,
-NOTES §11).
+nearest bin at ``s`` (the group mean rounded to the grid; self-bootstrapped where ``v`` mixes predictions).
 
-The readiness check (the spec leaves it open): a problem (``Prompt.uid``) is ready when the critic's last ``window``
+The readiness check (AC2's is not published): a problem (``Prompt.uid``) is ready when the critic's last ``window``
 audits on it all had ``|V̂ - R| < threshold``. Audits come from two places: every completion of an unready problem's
 unfinished chunk (its critic value is asked too, so each completion is also an audit), and the
 ``FullRolloutAudit`` callback, which completes a fraction of the ready problems' valued chunks after the update

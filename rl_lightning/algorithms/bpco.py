@@ -1,5 +1,6 @@
-"""BPCO (spec 000, "Changing what critics see", BPCO; NOTES §12, §20): PPO whose critic is grounded in observed
-outcomes and whose clip bounds an absolute probability change.
+"""BPCO (no paper found under this name; its λ(L) is VAPO's, arXiv 2504.05118, its clip DPPO's Binary-TV, Qi et al.
+2026, arXiv 2602.04879; docs/algorithms.md, BPCO): PPO whose critic is grounded in observed outcomes and whose clip
+bounds an absolute probability change.
 
 * **Grounded, bounded critic**: ``R_min <= V(s_t) <= R_max`` (the bounded head of ``CriticLearner``:
   ``V = R_min + (R_max - R_min) sigmoid(h)``), fitted to the observed final reward, ``L_V = E[(V(s_t) - R)^2]``
@@ -14,7 +15,7 @@ outcomes and whose clip bounds an absolute probability change.
   direction the token's gradient is zero. Only ``policy_objective`` changes; the value loss and the entropy
   bonus are PPO's.
 
-The spec's optional reference answers or rubrics that enter only the critic: ``critic: separate`` with
+BPCO's optional reference answers or rubrics, which enter only the critic: ``critic: separate`` with
 ``critic_reference: "answer: {answer}\n"`` (``CriticLearner``: the critic reads the filled template before each
 prompt; the policy never sees it).
 """
@@ -42,12 +43,12 @@ class BPCO(PPO):
     """Bounded-value PPO with length-adaptive GAE and divergence clipping (see the module docstring).
 
     Args:
-        alpha: α of ``λ_π(L) = 1 - 1/(α L)`` (NOTES' tiny default 0.5: λ >= 0 from L = 2; VAPO's 0.05 suits
+        alpha: α of ``λ_π(L) = 1 - 1/(α L)`` (the default for tiny models, 0.5: λ >= 0 from L = 2; VAPO's 0.05 suits
             thousand-token responses).
         divergence_eps: ε, the largest absolute change of a sampled token's probability the clip lets pay off.
         value_bounds: ``[R_min, R_max]`` of the bounded value head (the verifier's reward range).
-        value_clip: ε_v of the value loss (default ``None``: the plain ``(V - R)^2`` of the spec).
-        whiten_advantages: default ``False``: the spec keeps raw GAE advantages.
+        value_clip: ε_v of the value loss (default ``None``: BPCO's plain ``(V - R)^2``).
+        whiten_advantages: default ``False``: BPCO keeps raw GAE advantages.
         **kwargs: ``PPO`` arguments (``clip_eps_low``/``clip_eps_high`` play no part: the divergence interval
             replaces them).
 
@@ -67,7 +68,7 @@ class BPCO(PPO):
     @override
     def compute_advantages(self, batch: RolloutBatch) -> Advantages:
         adv = self.critic_learner.length_adaptive(batch, self.alpha, self.gamma)
-        if self.whiten_advantages:  # opt-in; the spec's BPCO keeps raw advantages
+        if self.whiten_advantages:  # opt-in; BPCO keeps raw advantages
             adv = replace(adv, advantages=masked_whiten(adv.advantages, batch.loss_mask))
         return adv
 

@@ -1,4 +1,4 @@
-"""CoPE: GRPO plus forecasting of successful action chunks on the shared backbone (spec 000, CoPE).
+"""CoPE: GRPO plus forecasting of successful action chunks on the shared backbone (docs/algorithms.md, CoPE).
 
 ``L = L_GRPO + η · E_x[L_AF,x]``, ``L_AF,x = -Σ_{τ∈S_x} Σ_t log p_θ(a_{t:t+K} | h_t) / max(1, |S_x|)``: for
 every action ``t`` of every successful trajectory (reward ``>= success_threshold``), the policy is asked, after
@@ -32,7 +32,7 @@ class CoPE(GRPO):
 
     Args:
         forecast_coef: η, the weight of ``E_x[L_AF,x]`` (0 gives GRPO, and skips the forecasting forward). The
-            default 0.01 is ten times below NOTES §9's guess: at 0.1 the forecasting gradient dominated the update.
+            default 0.01 is ten times below the 0.1 first tried: at 0.1 the forecasting gradient dominated the update.
         forecast_horizon: K, actions per forecast chunk.
         success_threshold: a trajectory is successful when its reward is ``>=`` this.
         forecast_instruction: text appended after ``h_t`` (encoded once, no special tokens); the policy's

@@ -1,5 +1,5 @@
-"""EasyPPO (spec 000, "Stabilizing policy updates", EasyPPO; NOTES §16, §20, reference ``EasyPPO/EasyPPO``): PPO
-with three changes to how the critic and the actor see the batch.
+"""EasyPPO (arXiv 2609.36802; reference code ``EasyPPO/EasyPPO``; docs/algorithms.md, EasyPPO): PPO with three
+changes to how the critic and the actor see the batch.
 
 * **Actor-only truncation filter**: ``C_i = 1`` when response ``i`` finished within the length limit; the actor's
   advantages are multiplied by ``C_i`` (a truncated response has exactly zero actor gradient), while every rollout

@@ -1,4 +1,5 @@
-"""FlashREINFORCE (spec 000, "Learning without value networks", FlashREINFORCE): no critic, no groups.
+"""FlashREINFORCE (Hu et al. 2026, "FlashREINFORCE: Critic-free single-rollout asynchronous RL for agentic
+language models"; reference code ``yifanzhang-pro/FlashREINFORCE``; docs/algorithms.md): no critic, no groups.
 
 ``L = 1/B Σ_i m_i 1/T_i Σ_t ℓ_{i,t}`` with ``ℓ_{i,t} = -sg(w_{i,t}) A_i log π_θ(a_{i,t} | s_{i,t})``:
 
@@ -55,7 +56,7 @@ class FlashREINFORCE(PolicyGradient):
 
     Args:
         delta: the gate's threshold δ on the token-mean Bernoulli KL (``inf`` switches the gate off).
-        loss_aggregation: must be ``seq_mean_token_mean``, the spec's equal trajectory weight.
+        loss_aggregation: must be ``seq_mean_token_mean``, FlashREINFORCE's equal trajectory weight.
         **kwargs: ``RLModule`` arguments (model, optimizer, ``micro_batch_size``, ...).
     """
 
@@ -66,7 +67,7 @@ class FlashREINFORCE(PolicyGradient):
         check_settings(self, [
             ("delta", delta, delta > 0, "must be > 0"),
             ("loss_aggregation", loss_aggregation, loss_aggregation == "seq_mean_token_mean",
-             "must be seq_mean_token_mean (the spec's equal trajectory weight, 1/B Σ_i 1/T_i Σ_t)"),
+             "must be seq_mean_token_mean (FlashREINFORCE's equal trajectory weight, 1/B Σ_i 1/T_i Σ_t)"),
             ("num_minibatches", self.num_minibatches, self.num_minibatches == 1, "must be 1 (one update per fresh batch)"),
             ("tis_cap", self.tis_cap, self.tis_cap is None,
              "must be null (its own importance ratio is unclipped, with the trajectory gate as the trust region)")])

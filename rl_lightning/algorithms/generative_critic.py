@@ -1,6 +1,6 @@
 """The generative critic: the policy's own weights, given a critic instruction and an episode's history, emit one
-token of a fixed value grid (spec 000, "Changing what critics do": TEMPO's generative critic, AC2's value token;
-NOTES §10, §11). TEMPO and AC2 share it; it holds no parameters of its own.
+token of a fixed value grid (TEMPO's generative critic, AC2's value token; docs/algorithms.md, TEMPO and AC2).
+TEMPO and AC2 share it; it holds no parameters of its own.
 
 * the context is ``instruction + history + privileged + query`` (ids): ``history`` the episode so far (its first
   observation, actions and observations), ``privileged`` optional text only the critic sees (``str.format`` over
@@ -14,7 +14,7 @@ NOTES §10, §11). TEMPO and AC2 share it; it holds no parameters of its own.
   ``accuracy_rows``, TEMPO's GRPO on sampled value tokens rewarded by ``-|V̂ - y| / (R_max - R_min)`` centred
   within each state's group (``functional.accuracy_advantages``);
 * a method calls it at segment boundaries only (``values`` counts the contexts it valued in ``calls``);
-* ``reasoning_tokens > 0`` (for real models; the spec: "reason over history"): the context ends with
+* ``reasoning_tokens > 0`` (for real models; TEMPO's critic may reason over the history): the context ends with
   ``reasoning_prompt`` instead of the query, the policy writes up to that many tokens there (greedy, eval mode, no
   gradient, stopped at EOS, which is dropped), and the query follows them; the value token is read, and trained,
   after that reasoning, which is context (it is not trained itself). Tools are not implemented.

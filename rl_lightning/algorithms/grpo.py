@@ -1,4 +1,4 @@
-"""GRPO: group-relative advantages with PPO-style clipping (spec 003, §6 GRPO).
+"""GRPO: group-relative advantages with PPO-style clipping (Shao et al. 2024, DeepSeekMath, arXiv 2402.03300, §4.1).
 
 ``L = -1/G Σ_i 1/|o_i| Σ_t min(ρ_{i,t} A_i, clip(ρ_{i,t}, 1-ε_low, 1+ε_high) A_i)`` with
 ``A_i = (R_i - μ_G) / (σ_G + eps)`` and ``ρ = π_θ / π_old``, where π_old is the sampler that drew the tokens.
@@ -27,12 +27,12 @@ class GRPO(RLModule):
     Args:
         clip_eps_low: ε below 1 (ratio floor ``1 - clip_eps_low``).
         clip_eps_high: ε above 1 (ratio ceiling ``1 + clip_eps_high``; DAPO's clip-higher uses 0.28).
-        scale_rewards: divide by the group's population std σ_G (spec); ``False`` gives Dr. GRPO's ``R - μ_G``.
+        scale_rewards: divide by the group's population std σ_G (GRPO's); ``False`` gives Dr. GRPO's ``R - μ_G``.
         std_eps: added to σ_G; a group with no reward spread gets advantage 0.
         tis_cap: truncated importance sampling for a sampler μ that is not the learner (the decoupled form the
             anchors ship): the ratio is taken against the proximal policy π_prox (the learner before this batch's
             update, ``RLModule.proximal_logprobs``), ``ρ = π_θ / π_prox``, and each token's term is multiplied by
-            the detached ``min(π_prox / μ, C)``. ``None`` (default): the spec's ratio against the sampler,
+            the detached ``min(π_prox / μ, C)``. ``None`` (default): GRPO's ratio against the sampler,
             ``ρ = π_θ / μ``. Logged: ``train/tis_weight_mean``, ``train/tis_clip_fraction``.
         **kwargs: ``RLModule`` arguments (model, optimizer, iterations, aggregation, ...).
     """

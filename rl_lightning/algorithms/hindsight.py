@@ -1,10 +1,10 @@
-"""Hindsight critics for LVRL (spec 000, "Changing what critics see", LVRL; NOTES §13): frozen judges that read a
-*completed* episode -- its actions, its outcome, the mean outcome of its group -- and value the states between
-its actions, ``Ṽ_t`` for ``0 < t < T_b``. They are never trained (the spec: "no critic training is needed").
+"""Hindsight critics for LVRL (docs/algorithms.md, LVRL): frozen judges that read a *completed* episode -- its
+actions, its outcome, the mean outcome of its group -- and value the states between its actions, ``Ṽ_t`` for
+``0 < t < T_b``. They are never trained (LVRL needs no critic training).
 
-* ``LinearCritic`` -- the deterministic oracle of the tests and NOTES' stub: ``Ṽ_t = R̄_G + (R - R̄_G) t / T``
-  (equal credit per action); also every critic's fallback where it cannot value a row (NOTES: "a critic call
-  that fails should fall back to linear interpolation");
+* ``LinearCritic`` -- the deterministic oracle of the tests: ``Ṽ_t = R̄_G + (R - R̄_G) t / T`` (equal credit per
+  action); also every critic's fallback where it cannot value a row (a failed critic call falls back to linear
+  interpolation);
 * ``ValueTokenCritic`` -- LVRL's default: the frozen starting policy (or another local checkpoint) reads the whole
   trajectory followed by a short query naming the outcome and the boundary ``t``, and ``Ṽ_t`` is the expected value
   of its next-token distribution restricted to a fixed grid of value tokens (``"0" .. "9"`` spread over
@@ -111,13 +111,13 @@ class ValueTokenCritic(FrozenJudge):
     then ``query`` filled with ``outcome`` (``R``), ``group_mean`` (``R̄_G``: the related rollouts), ``step``
     (``t``) and ``steps`` (``T``); ``Ṽ_t = Σ_k softmax(z[grid])_k v_k`` with ``z`` the next-token logits and
     ``v_k`` the ``K`` grid values spread evenly over ``value_range`` (``"0"`` = ``R_min``, ``"9"`` = ``R_max``).
-    The spec asks for hindsight, so the whole episode and its outcome precede the query (a prefix-only value
+    LVRL asks for hindsight, so the whole episode and its outcome precede the query (a prefix-only value
     would be an ordinary critic). Why value tokens and not generated text for the default: the expectation over a
     fixed grid (issue 22's generative-critic design) is deterministic, needs no parser that can fail, and costs one
     forward per ``batch_size`` contexts, in which the queries of a row share its episode
     (``forward.shared_prompt_forward``); ``PromptedCritic`` is the text form for models that can reason. On the embedded models nothing taught the policy to judge: there its readings
-    are a fixed, arbitrary split of the anchored total, which the spec allows ("anchoring does not guarantee
-    correct local attribution"); a real model can be given a more telling ``query``.
+    are a fixed, arbitrary split of the anchored total, which LVRL allows (its anchoring fixes the
+    total, not a correct split over the actions); a real model can be given a more telling ``query``.
 
     Args:
         query: text after the episode (``str.format`` fields above); the default is short enough for the embedded

@@ -1,5 +1,5 @@
-"""LVRL: a frozen hindsight critic splits each episode's outcome over its actions (spec 000, "Changing what critics
-see", LVRL; NOTES §13).
+"""LVRL: a frozen hindsight critic splits each episode's outcome over its actions (no paper or reference code
+found: docs/algorithms.md, LVRL).
 
 A frozen critic (``hindsight.HindsightCritic``) reads the completed episode and gives ``Ṽ_t`` at the boundaries
 between its ``T`` actions; anchored at ``Ṽ_0 = R̄_G`` (the group's mean reward) and ``Ṽ_T = R``:
@@ -43,9 +43,9 @@ class LVRL(GRPO):
         hindsight: the frozen critic (``class_path``: ``rl_lightning.algorithms.hindsight.ValueTokenCritic``,
             ``LinearCritic`` or ``PromptedCritic``); ``None``: ``ValueTokenCritic()``, the frozen starting policy
             reading a grid of value tokens.
-        reward_range: ``[R_min, R_max]``: the critic's values are clamped to it (NOTES §13's recommendation) and
+        reward_range: ``[R_min, R_max]``: the critic's values are clamped to it (this package's choice) and
             its value grid spans it.
-        scale_rewards: divide the credit by the group-wide step std ``σ_G`` (spec); ``False`` keeps ``Ā_t``.
+        scale_rewards: divide the credit by the group-wide step std ``σ_G`` (LVRL's); ``False`` keeps ``Ā_t``.
         std_eps: added to ``σ_G``; a group whose steps are all equal (all 0) gets 0.
         **kwargs: ``GRPO`` arguments (clipping, model, optimizer, aggregation, ...).
     """

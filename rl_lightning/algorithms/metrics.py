@@ -137,7 +137,7 @@ def learning_rates(optimizers: list[Any]) -> dict[str, Tensor]:
 
 
 def rollout_metrics(batch: Any) -> dict[str, Tensor]:
-    """The fixed rollout metrics of DESIGN.md (reward, spread, lengths, truncation) of a ``RolloutBatch``; for
+    """The fixed rollout metrics (docs/metrics.md: reward, spread, lengths, truncation) of a ``RolloutBatch``; for
     multi-turn episodes also ``train/num_turns`` and ``train/env_errors`` (the latter also for a single-turn batch in
     which an environment failed an episode)."""
     rewards = batch.rewards.float()

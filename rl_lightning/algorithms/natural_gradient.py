@@ -1,5 +1,6 @@
-"""The forwards of TRPO's natural-gradient step (spec 003, §4): full-vocabulary log-probs and logits that carry
-a graph a backward of a backward can go through (SDPA on its math backend: the fused kernels have none).
+"""The forwards of TRPO's natural-gradient step (Schulman et al. 2015, arXiv 1502.05477): full-vocabulary log-probs
+and logits that carry a graph a backward of a backward can go through (SDPA on its math backend: the fused kernels
+have none).
 
 Kept apart from ``algorithms/trpo.py`` so that any natural-gradient method (a natural policy gradient, a
 trust-region variant) can reuse them with ``functional.trpo``'s Fisher-vector products and line search.
@@ -72,7 +73,8 @@ def apply_step(optimizer: Any, params: list[nn.Parameter], step: Tensor | None) 
 
 def trust_region_step(fvp: Callable[[Tensor], Tensor], g: Tensor, cg_iters: int, delta: float,
                       fx_from_residual: bool) -> Tensor:
-    """TRPO's full step (spec 003, §4): ``sqrt(2δ / xᵀFx) · x`` with ``x ≈ F⁻¹ g`` by conjugate gradient (float64), in ``g``'s dtype.
+    """TRPO's full step (Schulman et al. 2015, Appendix C): ``sqrt(2δ / xᵀFx) · x`` with ``x ≈ F⁻¹ g`` by conjugate
+    gradient (float64), in ``g``'s dtype.
 
     ``F x`` comes from CG's residual (``(F + damping) x = g - r``, no product) when ``fx_from_residual`` (the
     Gauss-Newton products), else from one more product (the double-backward path, as originally).

@@ -1,5 +1,5 @@
-"""Policy Gradient (spec 003, §1): ``L = -R_i Σ_t log π_θ(a_{i,t} | s_{i,t})``, averaged over responses, and the
-baselines of spec 003 §2 (``L = -(R_i - b) log π_θ(o_i)``).
+"""Policy Gradient (REINFORCE, Williams 1992): ``L = -R_i Σ_t log π_θ(a_{i,t} | s_{i,t})``, averaged over responses,
+and REINFORCE's baselines (``L = -(R_i - b) log π_θ(o_i)``).
 
 The base of the score-function family: ``REINFORCE`` (an EMA baseline by default), ``RLOO`` (a leave-one-out
 baseline), ``FlashREINFORCE``, ``ScoreCentering`` and ``StableReinforce`` (other losses on the same advantages).
@@ -29,17 +29,17 @@ Baseline = Literal["batch_mean", "ema", "none"]
 class PolicyGradient(RLModule):
     """Vanilla policy gradient: every token of response ``i`` is weighted by its reward ``R_i``.
 
-    The spec writes the per-response loss as a *sum* over tokens, so the default aggregation is
+    The per-response loss is a *sum* over tokens (the response's log-prob), so the default aggregation is
     ``seq_mean_token_sum`` (mean over responses of the token sum); the update scales with response length.
     It is an on-policy estimator: one pass per rollout batch (``num_iterations`` must be 1).
 
     Args:
-        loss_aggregation: how per-token terms combine (spec: ``seq_mean_token_sum``).
+        loss_aggregation: how per-token terms combine (default ``seq_mean_token_sum``).
         tis_cap: truncated importance sampling against a sampler that is not the learner (a lagged or bf16
             sampler): each token's advantage is multiplied by the detached ``min(π_θ / μ, C)`` with ``C =
-            tis_cap`` (``functional.truncated_importance_weights``); ``None`` (default) leaves the loss as the spec
-            writes it. Logged: ``train/tis_weight_mean``, ``train/tis_clip_fraction`` (tokens with ``π/μ > C``).
-        baseline: ``none`` (default: the spec's ``A_i = R_i``); ``batch_mean`` -- the mean reward of the current
+            tis_cap`` (``functional.truncated_importance_weights``); ``None`` (default) leaves the loss
+            unweighted. Logged: ``train/tis_weight_mean``, ``train/tis_clip_fraction`` (tokens with ``π/μ > C``).
+        baseline: ``none`` (default: plain ``A_i = R_i``); ``batch_mean`` -- the mean reward of the current
             rollout batch over all ranks (it includes the response's own reward, a small bias that RLOO removes);
             ``ema`` -- an exponential moving average of the mean rewards of *earlier* batches (independent of the
             current samples; the first batch, with no history, uses its own mean). The EMA is a buffer, so it is

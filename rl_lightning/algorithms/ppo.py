@@ -1,4 +1,5 @@
-"""PPO with a critic (spec 003, §5): GAE advantages, the clipped surrogate, a (clipped) value loss.
+"""PPO with a critic (Schulman et al. 2017, arXiv 1707.06347): GAE advantages, the clipped surrogate, a (clipped)
+value loss.
 
 ``L = -Σ w · min(ρ Â, clip(ρ, 1-ε_low, 1+ε_high) Â) + c_v · Σ w · ½ max((V-R)², (V_clip-R)²) - c_H · Σ w · H``
 

@@ -1,11 +1,11 @@
-"""Critic readiness and full-rollout audits (spec 000, AC2: "once the problem passes critic-readiness checks";
-"full-rollout audits: complete a fraction of ready problems to check critic predictions against actual outcomes";
-NOTES §11).
+"""Critic readiness and full-rollout audits (AC2, docs/algorithms.md: the critic values a problem's chunks once
+the problem is ready, and audits complete a fraction of the ready problems to check its predictions against the
+outcomes).
 
 * ``CriticReadiness`` -- the check, per problem (a key such as ``Prompt.uid``): a problem is *ready* when it has
   ``window`` audits and the absolute error ``|V̂ - R|`` of every one of its last ``window`` audits is below
-  ``threshold`` (NOTES' "|V − R| on audits < τ for N consecutive checks"). One bad audit makes it unready again
-  until ``window`` good ones follow. Plain values in ``state_dict`` (a ``weights_only`` checkpoint loads it).
+  ``threshold`` (τ on ``window`` consecutive audits). One bad audit makes it unready again until ``window`` good
+  ones follow. Plain values in ``state_dict`` (a ``weights_only`` checkpoint loads it).
 * ``AuditItem`` and the ``AuditedCritic`` protocol -- what a method with a critic exposes so that the
   ``rl_lightning.callbacks.FullRolloutAudit`` callback can audit it: ``audit_candidates()``, the predictions of this
   step that a completed rollout can check (a key, the ``Branch`` to complete, the value predicted there), and

@@ -1,4 +1,4 @@
-"""REINFORCE with a baseline (spec 003, §2): ``L = -(R_i - b) log π_θ(o_i)``.
+"""REINFORCE with a baseline (Williams 1992): ``L = -(R_i - b) log π_θ(o_i)``.
 
 The loss and the baselines (``batch_mean``, ``ema``, ``none``) are ``PolicyGradient``'s; REINFORCE is the
 policy gradient with a baseline, an exponential moving average of earlier batches' mean rewards by default.

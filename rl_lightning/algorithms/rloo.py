@@ -1,4 +1,5 @@
-"""RLOO (spec 003, §3): ``L = -1/G Σ_i A_i Σ_t log π_θ(a_{i,t}|s_{i,t})`` with ``A_i = R_i - mean_{j≠i} R_j``."""
+"""RLOO (Ahmadian et al. 2024, "Back to Basics", arXiv 2402.14740; Kool et al. 2019):
+``L = -1/G Σ_i A_i Σ_t log π_θ(a_{i,t}|s_{i,t})`` with ``A_i = R_i - mean_{j≠i} R_j``."""
 
 from __future__ import annotations
 

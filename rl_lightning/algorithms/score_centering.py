@@ -1,5 +1,7 @@
-"""Score Centering (spec 000, "Score Centering"; NOTES §15, §20): REINFORCE whose score is centred by the
-sampler's expected score, so that the update off-policy keeps only ``Cov_q(A, ψ)`` (no drift term).
+"""Score Centering (Marek & Ryabinin 2026, "Score Centering Stabilizes Off-policy Reinforcement Learning", arXiv
+2609.20807; reference implementation ``vllm-project/vime``; docs/algorithms.md, Score Centering): REINFORCE whose
+score is centred by the sampler's expected score, so that the update off-policy keeps only ``Cov_q(A, ψ)`` (no
+drift term).
 
 Per generated token, with ``H`` the sampler's recorded top-k ids (``data.record_topk``), ``q`` the sampler's and
 ``p`` the learner's full-vocabulary probabilities, ``ρ = (1 - Σ_H q) / (1 - Σ_H p)`` (both clamped at 1e-6)::

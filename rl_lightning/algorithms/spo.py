@@ -1,4 +1,5 @@
-"""SPO, Single-stream Policy Optimization (spec 000, "Learning without value networks", SPO).
+"""SPO, Single-stream Policy Optimization (Xu & Ding 2025, arXiv 2509.13232; reference code
+``verl-project/verl-recipe`` ``spo/``; docs/algorithms.md, SPO).
 
 One response per prompt; its baseline is a persistent per-prompt Beta tracker instead of a group mean:
 ``A = R - v̂_old(x)``, normalised over the (global) batch, then GRPO's clipped loss. After the update each

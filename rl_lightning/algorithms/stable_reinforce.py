@@ -1,4 +1,5 @@
-"""StableReinforce (spec 000, "StableReinforce"; NOTES §17): REINFORCE with Monte-Carlo score centring.
+"""StableReinforce (Tinker's ``stable_reinforce`` loss, formula unpublished; this is Martin Marek's
+reverse-engineered form, docs/algorithms.md, StableReinforce): REINFORCE with Monte-Carlo score centring.
 
 At every generated position the sampler also drew ``K`` auxiliary tokens ``u_k ~ q(·|s)``, independent of the
 sampled ``a`` (``data.record_aux_draws``, K = 8). The loss per token is::

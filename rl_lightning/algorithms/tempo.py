@@ -1,7 +1,8 @@
 """TEMPO: macro-step returns from saved environment states, valued by a generative critic on the policy's own
-weights (spec 000, "Changing what critics do", TEMPO -- Xiaohongshu dots; NOTES §10; no reference code found, the
-``KMnO4-zx/agentic-rl-lab`` write-up's settings: 4 branches per state, critic reward ``-|V̂ - G| / R_max`` centred
-per state, warm-up on complete returns then TD targets, no prefix importance correction).
+weights ("Test-Time-Scaled Value Estimation with Macro-Step Policy Optimization", Xiaohongshu's dots team;
+docs/algorithms.md, TEMPO; no paper or reference code found, the ``KMnO4-zx/agentic-rl-lab`` write-up's settings:
+4 branches per state, critic reward ``-|V̂ - G| / R_max`` centred per state, warm-up on complete returns then TD
+targets, no prefix importance correction).
 
 Each step continues ``n`` branches (``BranchRollout``, ``data.group_size = n``) from every starting state ``s``: the
 step's prompts from their start, and ``replay`` end states of earlier steps' cut branches (``Branch.from_rollout``,
@@ -16,9 +17,9 @@ For the first ``warmup_steps`` steps the branches run to the end of the episode 
 ``G`` over each state's ``n`` branches (rows of its group); the critic is trained on auxiliary rows in the same
 update (``RLModule.auxiliary_rows``): the policy reads ``s`` through the critic's prompt and samples
 ``critic_samples`` value tokens, each rewarded by ``-|v - y(s)| / (R_max - R_min)`` centred within ``s``'s group, under
-GRPO's clipped surrogate (``critic_loss: grpo``, the spec: "both use GRPO, with different prompts and rewards"), or
-the cross-entropy to ``y(s)``'s nearest bin (``critic_loss: ce``). Reused prefixes are off-policy; the spec's
-appendix correction for them is not applied (as in the write-up). The store is per process (each rank keeps its
+GRPO's clipped surrogate (``critic_loss: grpo``: actor and critic both use GRPO, on prompts and rewards of their
+own), or the cross-entropy to ``y(s)``'s nearest bin (``critic_loss: ce``). Reused prefixes are off-policy; TEMPO's
+importance correction for them is not applied (as in the write-up). The store is per process (each rank keeps its
 own). Not validated at scale.
 """
 
@@ -56,7 +57,8 @@ class TEMPO(GRPO):
         critic_loss: ``"grpo"`` (accuracy-rewarded value tokens) or ``"ce"`` (cross-entropy to the nearest bin).
         critic_samples: value tokens sampled per state for ``"grpo"``.
         critic_coef: the critic's term, relative to the actor's.
-        critic_scale_rewards: divide the critic's centred rewards by their group's std (NOTES §10: open).
+        critic_scale_rewards: divide the critic's centred rewards by their group's std (whether TEMPO does is not
+            published).
         **kwargs: ``GRPO`` arguments (clipping, ``scale_rewards`` of the actor's ``G``, model, optimizer, ...).
     """
 

@@ -1,5 +1,4 @@
-"""TRPO: a natural-gradient step inside a KL trust region (spec 003, §4 TRPO; Schulman et al. 2015,
-arXiv 1502.05477).
+"""TRPO: a natural-gradient step inside a KL trust region (Schulman et al. 2015, arXiv 1502.05477).
 
 Per rollout batch, with θ_old the weights at the start of the update::
 

@@ -1,5 +1,5 @@
 """``FullRolloutAudit``: complete a fraction of the problems a critic valued and compare its predictions with the
-actual outcomes (spec 000, AC2's "full-rollout audits"; the design card's "callbacks implement full-rollout audits").
+actual outcomes (AC2's full-rollout audits; docs/algorithms.md, AC2).
 
 Any method that implements the ``rl_lightning.algorithms.readiness.AuditedCritic`` protocol can use it (AC2 does):
 after the step's update it takes the method's ``audit_candidates()`` (a problem key, the ``Branch`` to complete,
@@ -26,7 +26,7 @@ class FullRolloutAudit(Callback):
     """Audit a critic with full rollouts (see the module docstring).
 
     Args:
-        fraction: share of the step's candidates completed (NOTES §11: 10%).
+        fraction: share of the step's candidates completed (default 10%).
         seed: seeds which candidates are drawn and the completions' sampling (with the step).
     """
 

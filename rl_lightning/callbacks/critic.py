@@ -1,8 +1,8 @@
 """Critic schedules for any method with a value model: ``CriticWarmup`` and ``FreezeCriticModules``.
 
 They work with any ``LightningModule`` that has a ``policy`` and a ``critic`` attribute (both ``nn.Module``):
-PPO today, SAO / BPCO / EasyPPO later (spec 003 §5 value pre-training as in VC-PPO/VAPO; SAO's critic
-warm-up and frozen critic attention, NOTES §14).
+PPO today, SAO / BPCO / EasyPPO later (value pre-training as in VC-PPO, arXiv 2503.01491, and
+VAPO, arXiv 2504.05118; SAO's critic warm-up and frozen critic attention, docs/algorithms.md, SAO).
 
 Both are pure functions of ``trainer.global_step`` (rollout batches done) and their configuration, so they
 need no checkpointed state: after a resume from step ``k`` they take the same decisions as a straight run.

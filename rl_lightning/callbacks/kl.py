@@ -23,11 +23,12 @@ class KLRegularizer(Callback):
     direction each target calls for:
 
     * ``reference``: ``KL(π_θ || π_ref)`` estimated at tokens from ``π_old ≈ π_θ``,
-      ``k = kl_estimate(logπ_θ, logπ_ref)`` (GRPO's KL-in-the-loss, spec 003 §6; k3 by default);
+      ``k = kl_estimate(logπ_θ, logπ_ref)`` (GRPO's KL-in-the-loss, Shao et al. 2024, arXiv 2402.03300, eq. 3;
+      k3 by default);
     * ``sampler``: ``KL(q || π_θ)`` at tokens drawn from the sampler ``q``, ``k = kl_estimate(log q, logπ_θ)``;
-      with k1 that is ``log q - logπ_θ``, Tinker's regulariser (spec 000, StableReinforce, "Official API and
-      KL"), which pulls the learner toward the sampler. Its expected gradient is ``∇ KL(q || π_θ)`` for k1
-      and k3.
+      with k1 that is ``log q - logπ_θ``, Tinker's regulariser of its ``stable_reinforce`` loss
+      (docs/algorithms.md, StableReinforce), which pulls the learner toward the sampler. Its expected gradient is
+      ``∇ KL(q || π_θ)`` for k1 and k3.
 
     Args:
         beta: coefficient β; with ``0`` nothing is computed and no reference model is created.
@@ -80,9 +81,9 @@ class KLRegularizer(Callback):
         other = batch.sampler_logprobs if self.target == "sampler" else batch.ref_logprobs
         if other is None:
             raise RuntimeError("KLRegularizer: reference log-probs missing from the batch")
-        if self.target == "sampler":  # KL(q || p_θ) at tokens drawn from q: k1 = log q - log p_θ (spec 000)
+        if self.target == "sampler":  # KL(q || p_θ) at tokens drawn from q: k1 = log q - log p_θ (Tinker)
             kl = kl_estimate(other.detach(), logprobs, self.estimator)
-        else:  # KL(p_θ || π_ref) at tokens drawn from π_old ≈ p_θ (GRPO, spec 003 §6)
+        else:  # KL(p_θ || π_ref) at tokens drawn from π_old ≈ p_θ (GRPO)
             kl = kl_estimate(logprobs, other.detach(), self.estimator)
         kl = kl * batch.loss_mask  # [n, T]
         term = self.beta * aggregate(kl, weights)

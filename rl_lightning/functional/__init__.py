@@ -1,4 +1,4 @@
-"""The math of the spec as pure torch functions: no Lightning, no models, nothing else of the package.
+"""The methods' math as pure torch functions: no Lightning, no models, nothing else of the package.
 
 Shapes: per-sequence ``[N]``, per-token ``[N, T]``, ``mask [N, T]`` (1 on model-generated tokens); groups are
 contiguous blocks of ``group_size`` rows.

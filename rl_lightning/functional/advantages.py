@@ -20,7 +20,7 @@ def _grouped(rewards: Tensor, group_size: int) -> Tensor:
 
 
 def group_advantages(rewards: Tensor, group_size: int, scale: bool = True, eps: float = 1e-6) -> Tensor:
-    """GRPO group-relative advantages (spec 003, §6 GRPO and the notation of μ_G, σ_G).
+    """GRPO group-relative advantages (Shao et al. 2024, DeepSeekMath, arXiv 2402.03300, §4.1.2).
 
     ``A_i = (R_i - μ_G) / (σ_G + eps)`` with the population standard deviation
     ``σ_G = sqrt(1/G Σ_i (R_i - μ_G)^2)``; ``scale=False`` gives ``A_i = R_i - μ_G`` (Dr. GRPO style).
@@ -53,7 +53,7 @@ def group_advantages(rewards: Tensor, group_size: int, scale: bool = True, eps: 
 
 
 def leave_one_out_advantages(rewards: Tensor, group_size: int) -> Tensor:
-    """RLOO advantages (spec 003, §3 RLOO): ``A_i = R_i - 1/(G-1) Σ_{j≠i} R_j``.
+    """RLOO advantages (Ahmadian et al. 2024, arXiv 2402.14740): ``A_i = R_i - 1/(G-1) Σ_{j≠i} R_j``.
 
     Equivalently ``G/(G-1) (R_i - μ_G)``; advantages sum to 0 within each group. Needs ``G >= 2``.
 
@@ -69,7 +69,7 @@ def leave_one_out_advantages(rewards: Tensor, group_size: int) -> Tensor:
 
 
 def batch_centered_advantages(rewards: Tensor, mean: Tensor | float | None = None) -> Tensor:
-    """FlashREINFORCE batch-centred advantages (spec 000, FlashREINFORCE): ``A_i = R_i - 1/B Σ_j R_j``.
+    """FlashREINFORCE batch-centred advantages (FlashREINFORCE, Hu et al. 2026): ``A_i = R_i - 1/B Σ_j R_j``.
 
     A batch of one response gets ``A = 0``. ``mean`` replaces ``1/B Σ_j R_j`` when the batch is spread over
     several processes: pass the mean over every rank's rewards (the default is the mean of ``rewards``).
@@ -88,7 +88,7 @@ def batch_centered_advantages(rewards: Tensor, mean: Tensor | float | None = Non
 def gae(
     rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float | Tensor
 ) -> tuple[Tensor, Tensor]:
-    """Generalised advantage estimation over the masked tokens of each row (spec 003, §5 PPO; GAE paper).
+    """Generalised advantage estimation over the masked tokens of each row (Schulman et al. 2015, arXiv 1506.02438).
 
     Walking backwards over the positions where ``mask == 1`` only (unmasked positions, e.g. observation
     tokens of a multi-turn episode, are skipped, so ``t+`` is the next *masked* position)::
@@ -139,10 +139,10 @@ def gae(
 
 
 def baseline_advantages(rewards: Tensor, baseline: Tensor | float) -> Tensor:
-    """REINFORCE with a baseline (spec 003, §2): ``A_i = R_i - b``; ``b`` is a constant (stop-gradient).
+    """REINFORCE with a baseline (Williams 1992): ``A_i = R_i - b``; ``b`` is a constant (stop-gradient).
 
     Example:
-        >>> baseline_advantages(torch.tensor([0.9, 0.2]), 0.6)   # the spec's example
+        >>> baseline_advantages(torch.tensor([0.9, 0.2]), 0.6)   # b = 0.6: +0.3 and -0.4
         tensor([ 0.3000, -0.4000])
     """
     return rewards - torch.as_tensor(baseline, dtype=rewards.dtype, device=rewards.device).detach()
@@ -162,7 +162,7 @@ def ema_update(average: Tensor, value: Tensor, decay: float) -> Tensor:
 
 def outcome_token_rewards(rewards: Tensor, mask: Tensor) -> Tensor:
     """Place each response's scalar reward on its last generated token: ``r_{i,t} = R_i`` if ``t`` is the last
-    position of row ``i`` where ``mask == 1``, else 0 (the per-token reward GAE consumes, spec 003 §5).
+    position of row ``i`` where ``mask == 1``, else 0 (the per-token reward GAE consumes).
 
     Rows with an empty mask get no reward.
 
@@ -179,7 +179,7 @@ def outcome_token_rewards(rewards: Tensor, mask: Tensor) -> Tensor:
 def outcome_gae(
     rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float | Tensor, whiten: bool = True
 ) -> tuple[Tensor, Tensor]:
-    """GAE for outcome rewards (spec 003 §5), the advantage estimator of PPO and of TRPO's ``gae`` option.
+    """GAE for outcome rewards, the advantage estimator of PPO (Schulman et al. 2017) and of TRPO's ``gae`` option.
 
     ``R_i`` is placed on the last generated token (``outcome_token_rewards``), then ``gae`` over the masked
     tokens with ``values`` (the critic at rollout time); with ``whiten`` the advantages are normalised to

@@ -1,6 +1,6 @@
-"""Off-policy corrections for a sampler ``q`` that is not the learner ``p`` (spec 000, "Score Centering" and
-"StableReinforce"; NOTES §15, §17, §20): score centering with the sampler's top-k head, its Monte-Carlo form
-with auxiliary draws, and truncated importance sampling.
+"""Off-policy corrections for a sampler ``q`` that is not the learner ``p`` (Score Centering: Marek & Ryabinin
+2026, arXiv 2609.20807; StableReinforce; TIS; docs/algorithms.md): score centering with the sampler's top-k head,
+its Monte-Carlo form with auxiliary draws, and truncated importance sampling.
 
 At a prefix ``s`` with score ``ψ_a = ∇ log p_a``, the off-policy update ``E_q[A ψ]`` contains the drift
 ``E_q[A] E_q[ψ]``, which is not zero when ``q != p`` (on-policy ``E_p[ψ] = 0``). Subtracting the sampler's mean
@@ -33,7 +33,7 @@ def _finite(logp: Tensor) -> Tensor:
 
 
 def tail_ratio(learner_head_logprobs: Tensor, sampler_head_logprobs: Tensor, eps: float = TAIL_EPS) -> Tensor:
-    """The tail ratio of top-k score centering (spec 000, "Score Centering", practical correction)::
+    """The tail ratio of top-k score centering (Marek & Ryabinin 2026, arXiv 2609.20807)::
 
         ρ = max(1 - Σ_{a∈H} q_a, eps) / max(1 - Σ_{a∈H} p_a, eps)
 
@@ -57,7 +57,7 @@ def tail_ratio(learner_head_logprobs: Tensor, sampler_head_logprobs: Tensor, eps
 
 
 def truncated_importance_weights(logprobs: Tensor, sampler_logprobs: Tensor, cap: float) -> Tensor:
-    """Truncated importance sampling (TIS; NOTES §20): the detached per-token weight ``min(p / q, C)``.
+    """Truncated importance sampling (TIS; docs/algorithms.md, TIS): the detached per-token weight ``min(p / q, C)``.
 
     Args:
         logprobs: ``[N, T]`` learner log-probs of the sampled tokens.
@@ -73,7 +73,7 @@ def truncated_importance_weights(logprobs: Tensor, sampler_logprobs: Tensor, cap
 def score_centering_coefficients(
     learner_head_logprobs: Tensor, sampler_head_logprobs: Tensor, cap: float | None = None, eps: float = TAIL_EPS,
 ) -> Tensor:
-    """The fixed coefficients ``r_a`` of the head in ``ĉ(s) = Σ_{a∈H} r_a ψ_a`` (spec 000, "Score Centering")::
+    """The fixed coefficients ``r_a`` of the head in ``ĉ(s) = Σ_{a∈H} r_a ψ_a`` (Marek & Ryabinin 2026)::
 
         w ≡ 1:                 r_a = q_a - ρ p_a
         w_a = f(p_a / q_a):    r_a = q_a w_a - ρ_w p_a,   ρ_w = ρ f(1 / ρ)
@@ -110,7 +110,8 @@ def score_centered_loss(
     cap: float | None = None,
     eps: float = TAIL_EPS,
 ) -> tuple[Tensor, PolicyGradientStats]:
-    """Top-k score-centred REINFORCE loss (spec 000, "Score Centering"; the reference's form, NOTES §15)::
+    """Top-k score-centred REINFORCE loss (Marek & Ryabinin 2026; the form of the reference implementation,
+    ``vllm-project/vime`` ``vime/utils/score_centering.py``)::
 
         ℓ_t = -sg(A_t) [ sg(w_a) log p_a - Σ_{v∈H} sg(r_v) log p_v ]
 
@@ -152,7 +153,7 @@ def score_centered_loss(
 def mc_centered_loss(
     logprobs: Tensor, aux_logprobs: Tensor, advantages: Tensor, mask: Tensor, weights: Tensor,
 ) -> tuple[Tensor, PolicyGradientStats]:
-    """REINFORCE with Monte-Carlo score centring (spec 000, "StableReinforce"; NOTES §17)::
+    """REINFORCE with Monte-Carlo score centring (StableReinforce; docs/algorithms.md)::
 
         ℓ_t = -sg(A_t) [ log p(a_t | s_t) - 1/K Σ_k log p(u_k | s_t) ],     u_k ~ q(·|s_t) independent of a_t
 

@@ -1,5 +1,5 @@
-"""Per-action credit from hindsight values: LVRL's anchored credit (spec 000, "Changing what critics see", LVRL;
-NOTES §13) and its broadcast to the tokens of each action.
+"""Per-action credit from hindsight values: LVRL's anchored credit (no paper or reference code found:
+docs/algorithms.md, LVRL) and its broadcast to the tokens of each action.
 
 Shapes: ``N`` rows (groups of ``G`` contiguous rows), ``K`` action steps (turns), ``T`` response tokens. An episode
 ``b`` has ``T_b`` actions, ``turn_mask [N, K]`` is 1 on its first ``T_b`` steps (left-aligned); ``turn_index
@@ -54,9 +54,9 @@ def turn_mask_from_index(turn_index: Tensor) -> Tensor:
 
 
 def interpolated_values(rewards: Tensor, group_size: int, turn_mask: Tensor) -> Tensor:
-    """The linear-interpolation hindsight critic (NOTES §13's stub and its fallback): ``Ṽ_t = R̄_G + (R_b - R̄_G)
-    t / T_b`` at every step ``t < T_b`` (``[N, K]``, 0 elsewhere), so ``anchored_credit`` gives each of the ``T_b``
-    actions the same ``(R_b - R̄_G) / T_b``.
+    """The linear-interpolation hindsight critic (the tests' oracle and every critic's fallback):
+    ``Ṽ_t = R̄_G + (R_b - R̄_G) t / T_b`` at every step ``t < T_b`` (``[N, K]``, 0 elsewhere), so ``anchored_credit``
+    gives each of the ``T_b`` actions the same ``(R_b - R̄_G) / T_b``.
 
     Example:
         >>> interpolated_values(torch.tensor([1.0, 0.0]), 2, torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]]))
@@ -73,7 +73,7 @@ def interpolated_values(rewards: Tensor, group_size: int, turn_mask: Tensor) -> 
 
 
 def anchored_credit(values: Tensor, rewards: Tensor, group_size: int, turn_mask: Tensor) -> Tensor:
-    """LVRL's anchored credit, unnormalised (spec 000, "Changing what critics see", LVRL; NOTES §13).
+    """LVRL's anchored credit, unnormalised (docs/algorithms.md, LVRL).
 
     ``Ṽ_0 = R̄_G`` (the mean reward of the row's group), ``Ṽ_{T_b} = R_b``, the hindsight critic's ``Ṽ_t`` in
     between, and ``Ā_t = Ṽ_{t+1} - Ṽ_t`` for ``t < T_b``, 0 elsewhere. The sum telescopes: ``Σ_t Ā_t = R_b - R̄_G``
@@ -131,7 +131,7 @@ def _grouped_steps(credit: Tensor, group_size: int, turn_mask: Tensor, name: str
 
 def group_step_std(credit: Tensor, group_size: int, turn_mask: Tensor) -> Tensor:
     """``[N]`` ``σ_G`` of each row's group: the population std of every step ``Ā_t`` of every row of the group
-    (``turn_mask``'s entries; 0 for a group with no step). NOTES §13: "group-wide step std".
+    (``turn_mask``'s entries; 0 for a group with no step). LVRL's group-wide step std.
 
     Example:
         >>> group_step_std(torch.tensor([[0.25, 0.25], [-0.5, 0.0]]), 2, torch.tensor([[1, 1], [1, 0]]))
@@ -145,8 +145,7 @@ def group_step_std(credit: Tensor, group_size: int, turn_mask: Tensor) -> Tensor
 
 
 def group_step_normalized(credit: Tensor, group_size: int, turn_mask: Tensor, eps: float = 1e-6) -> Tensor:
-    """``Ā_t / (σ_G + eps)``: LVRL's step credit divided by the group-wide step standard deviation (spec 000, LVRL:
-    "divide Ā_t by the group-wide step standard deviation"; NOTES §13).
+    """``Ā_t / (σ_G + eps)``: LVRL's step credit divided by the group-wide step standard deviation.
 
     ``σ_G`` is ``group_step_std``: the population std of every step of the group (the credit is divided, not
     re-centred). A group whose steps are all equal -- which, since its credit sums to 0, means all 0 -- or that has
@@ -177,9 +176,9 @@ def group_step_normalized(credit: Tensor, group_size: int, turn_mask: Tensor, ep
 
 
 def turn_token_advantages(step_adv: Tensor, turn_index: Tensor) -> Tensor:
-    """Every token of an action gets its action's advantage (spec 000, LVRL: "all tokens in one action share its
-    advantage"): ``[N, T]`` with token ``j`` of row ``b`` getting ``step_adv[b, turn_index[b, j]]`` where
-    ``turn_index[b, j] >= 0``, 0 elsewhere (observation tokens and padding get none).
+    """Every token of an action gets its action's advantage (as in LVRL): ``[N, T]`` with token ``j`` of row ``b``
+    getting ``step_adv[b, turn_index[b, j]]`` where ``turn_index[b, j] >= 0``, 0 elsewhere (observation tokens and
+    padding get none).
 
     Args:
         step_adv: ``[N, K]`` per-action advantages.

@@ -1,11 +1,13 @@
-"""Critic-side formulas of BPCO, EasyPPO and SAO (spec 000, "Changing what critics see" and "Stabilizing policy
-updates").
+"""Critic-side formulas of BPCO, EasyPPO and SAO (docs/algorithms.md, "Shared pieces" and each method's row).
 
-- BPCO: a bounded value head (``bounded_value``), the length-adaptive GAE decay λ_π(L) = 1 - 1/(αL)
-  (``length_adaptive_lambda``) and the divergence clipping interval [1 - ε/p_t, 1 + ε/p_t]
+- BPCO (no paper found under that name; its λ is VAPO's, arXiv 2504.05118, its interval DPPO's Binary-TV, Qi et
+  al. 2026, arXiv 2602.04879): a bounded value head (``bounded_value``), the length-adaptive GAE decay
+  λ_π(L) = 1 - 1/(αL) (``length_adaptive_lambda``) and the divergence clipping interval [1 - ε/p_t, 1 + ε/p_t]
   (``divergence_clip_bounds``).
-- EasyPPO: the noise-weighted critic loss's per-prompt weights (``variance_weights``).
-- SAO: the token mask w_t = ρ_t 1[1 - ε_ℓ < ρ_t < 1 + ε_h] (``band_mask_weights``).
+- EasyPPO (arXiv 2609.36802; reference code ``EasyPPO/EasyPPO``): the noise-weighted critic loss's per-prompt
+  weights (``variance_weights``).
+- SAO (Hou et al. 2026, arXiv 2607.07508): the token mask w_t = ρ_t 1[1 - ε_ℓ < ρ_t < 1 + ε_h]
+  (``band_mask_weights``).
 
 Shapes: per-sequence ``[B]``, per-token ``[B, T]``; groups are contiguous blocks of ``group_size`` rows.
 """
@@ -24,14 +26,15 @@ def _float_dtype(x: Tensor) -> torch.dtype:
 
 
 def length_adaptive_lambda(lengths: Tensor, alpha: float) -> Tensor:
-    """BPCO's length-adaptive actor GAE decay (spec 000, "Changing what critics see", BPCO, "Preserve the
-    learning signal"): ``λ_π(L) = clamp(1 - 1/(α L), 0, 1)``.
+    """BPCO's length-adaptive actor GAE decay (VAPO, arXiv 2504.05118; docs/algorithms.md, BPCO):
+    ``λ_π(L) = clamp(1 - 1/(α L), 0, 1)``.
 
     The rationale (VAPO, arXiv 2504.05118): the effective horizon of GAE is ``Σ_t λ^t = 1/(1 - λ) = α L``, so it
-    grows with the response length ``L``. The spec's formula is negative for ``L < 1/α`` (NOTES §12, §19.5),
+    grows with the response length ``L``. The unclamped formula is negative for ``L < 1/α``,
     hence the clamp to ``[0, 1]``; a row with ``L <= 0`` (no generated token) gets 0, with no division by 0.
     The critic uses ``λ_V = 1`` (not computed here). Reference settings: VAPO α = 0.05; SAO's actor λ is the
-    same form with α = 1.5 (NOTES §20); the tiny default is α = 0.5 (λ >= 0 from L = 2, NOTES §12).
+    same form with α = 1.5 (docs/algorithms.md, SAO); the default for tiny models is α = 0.5 (λ >= 0 from L = 2,
+    docs/algorithms.md, BPCO).
     The result is the ``lam`` tensor ``gae`` accepts.
 
     Args:
@@ -56,14 +59,14 @@ def length_adaptive_lambda(lengths: Tensor, alpha: float) -> Tensor:
 
 
 def divergence_clip_bounds(logp_rollout: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """BPCO's divergence clipping interval (spec 000, "Changing what critics see", BPCO, "Divergence PPO"):
+    """BPCO's divergence clipping interval (DPPO's Binary-TV, Qi et al. 2026, arXiv 2602.04879; docs/algorithms.md):
     ``[1 - ε/p_t, 1 + ε/p_t]`` with ``p_t = exp(logp_rollout)`` the sampled token's rollout probability.
 
     For the ratio ``ρ = π/p``, ``π - p = p(ρ - 1)``, so ``ρ`` lies in the interval iff ``|π - p| <= ε``: the
-    boundaries are an absolute probability change of ε (DPPO's Binary-TV, NOTES §12). For ``p < ε`` the lower
-    bound is negative (inactive); for rare tokens ``ε/p`` is huge (effectively unclipped), by design. The
-    bounds replace PPO's fixed ``(1 - ε_low, 1 + ε_high)`` in the clipped surrogate. Tiny default: ε = 0.1
-    (NOTES §12). ``ε/p`` is computed as ``ε · exp(-logp)``; no gradient is meant to flow through the bounds.
+    boundaries are an absolute probability change of ε (DPPO's Binary-TV). For ``p < ε`` the lower bound is
+    negative (inactive); for rare tokens ``ε/p`` is huge (effectively unclipped), by design. The bounds replace
+    PPO's fixed ``(1 - ε_low, 1 + ε_high)`` in the clipped surrogate. Tiny default: ε = 0.1 (docs/algorithms.md,
+    BPCO). ``ε/p`` is computed as ``ε · exp(-logp)``; no gradient is meant to flow through the bounds.
 
     Args:
         logp_rollout: log-probabilities of the sampled tokens under the rollout policy, any shape (``[B, T]``).
@@ -85,8 +88,8 @@ def divergence_clip_bounds(logp_rollout: Tensor, eps: float) -> tuple[Tensor, Te
 
 
 def variance_weights(rewards: Tensor, group_size: int, w_min: float, beta: float = 0.5) -> Tensor:
-    """EasyPPO's noise-weighted critic loss weights (spec 000, "Stabilizing policy updates", EasyPPO,
-    "Noise-weighted critic loss"): ``w_x = 1 / max(Var_pop(R_x)^β, w_min)``, normalised to mean 1 over the rows.
+    """EasyPPO's noise-weighted critic loss weights (arXiv 2609.36802; docs/algorithms.md, EasyPPO):
+    ``w_x = 1 / max(Var_pop(R_x)^β, w_min)``, normalised to mean 1 over the rows.
 
     ``Var_pop(R_x)`` is the population variance (1/G) of the rewards of prompt ``x``'s group (a contiguous block
     of ``group_size`` rows); each row gets its prompt's weight, and the weights are divided by their mean, so the
@@ -94,7 +97,7 @@ def variance_weights(rewards: Tensor, group_size: int, w_min: float, beta: float
     every prompt has the same variance).
 
     This is the reference's parametrisation (EasyPPO's ``compute_prompt_variance_loss_weights``:
-    ``1 / clamp(Var^β, min=w_min)``; NOTES §20): the floor is on ``Var^β``, so at β = 1/2 it is the spec's
+    ``1 / clamp(Var^β, min=w_min)``): the floor is on ``Var^β``, so at β = 1/2 it is the form
     ``1 / max(σ̂_x, ε)`` with ``ε = w_min`` on the standard deviation. The reference's shipped setting
     β = 0.5, ``w_min = 0.25`` is a variance floor of ``0.25² = 0.0625`` (for 0/1 rewards ``σ ≤ 0.5``). A
     zero-variance prompt (e.g. all rollouts equal) gets the largest weight ``1 / w_min``; with ``group_size = 1``
@@ -133,18 +136,18 @@ def variance_weights(rewards: Tensor, group_size: int, w_min: float, beta: float
 
 
 def band_mask_weights(ratio: Tensor, eps_low: float, eps_high: float) -> Tensor:
-    """SAO's token masking (spec 000, "Stabilizing policy updates", SAO, "Token masking"):
+    """SAO's token masking (Hou et al. 2026, arXiv 2607.07508; docs/algorithms.md, SAO):
     ``w_t = ρ_t · 1[1 - ε_ℓ < ρ_t < 1 + ε_h]``, with ``ρ_t = π_θ(a_t|s_t) / μ(a_t|s_t)``.
 
     The indicator is held fixed (no gradient through it, strict bounds) and ``ρ`` keeps its gradient, so the
     actor loss ``-(w_t A_t)`` has gradient ``-1[band] ρ_t A_t ∇log π_θ``: a token outside the band contributes
     exactly zero for either sign of ``A`` (unlike PPO-clip, where an out-of-range token keeps its gradient when
-    the unclipped term is the min; NOTES §14). The bounds ``1 - ε_ℓ`` and ``1 + ε_h`` are rounded to the dtype of
+    the unclipped term is the min). The bounds ``1 - ε_ℓ`` and ``1 + ε_h`` are rounded to the dtype of
     ``ratio`` before the comparison, so a ratio equal to a bound in that dtype is outside. ``ratio`` must come
-    from plain sampling (T = 1, top-p = 1) or a matching recomputation of μ, else it is wrong (NOTES §20).
+    from plain sampling (T = 1, top-p = 1) or a matching recomputation of μ, else it is wrong.
 
-    Reference settings (NOTES §20): math ε_ℓ = 0.3, ε_h = 5.0, i.e. the band (0.7, 6.0); coding/SWE: the band
-    (0.2, 4.0) itself, i.e. ε_ℓ = 0.8, ε_h = 3.0.
+    Reference settings (the SAO implementations in ``modelscope/twinkle`` and ``LegoX/Lego-RL``): math ε_ℓ = 0.3,
+    ε_h = 5.0, i.e. the band (0.7, 6.0); coding/SWE: the band (0.2, 4.0) itself, i.e. ε_ℓ = 0.8, ε_h = 3.0.
 
     Args:
         ratio: ``ρ`` per token, any shape (``[B, T]``), float; differentiable.
@@ -173,12 +176,12 @@ def band_mask_weights(ratio: Tensor, eps_low: float, eps_high: float) -> Tensor:
 
 
 def bounded_value(h: Tensor, r_min: float, r_max: float) -> Tensor:
-    """BPCO's bounded value head (spec 000, "Changing what critics see", BPCO, "Ground the critic"):
+    """BPCO's bounded value head (docs/algorithms.md, BPCO):
     ``V = R_min + (R_max - R_min) · sigmoid(h)``, so ``R_min <= V_φ(s_t) <= R_max``.
 
     With outcome-only rewards and no discounting (γ = 1, λ_V = 1) the critic fits the observed final reward
     ``L_V = E[(V_φ(s_t) - R)^2]``, never targets built from its own predictions; the bound keeps its predictions
-    in the reward range (NOTES §12). It is computed as ``torch.lerp`` (so ``sigmoid(h) = 0`` or ``1`` gives
+    in the reward range. It is computed as ``torch.lerp`` (so ``sigmoid(h) = 0`` or ``1`` gives
     ``r_min`` or ``r_max`` exactly, the bounds rounded to the dtype of ``h``) and clamped to ``[r_min, r_max]``
     against rounding; the gradient ``(R_max - R_min) sigmoid'(h)`` is finite, and 0 for saturated ``h``.
 

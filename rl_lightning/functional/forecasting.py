@@ -1,4 +1,4 @@
-"""CoPE's action forecasting (spec 000, CoPE): from the history ``h_t``, predict the recorded action chunk.
+"""CoPE's action forecasting (docs/algorithms.md, CoPE): from the history ``h_t``, predict the recorded action chunk.
 
 For the successful subset ``S_x`` (reward ``>= threshold``) of the rollout group of prompt ``x``::
 
@@ -19,7 +19,7 @@ from torch import Tensor
 
 
 def forecast_weights(rewards: Tensor, group_size: int, threshold: float, num_prompts: float | None = None) -> Tensor:
-    """Per-row weight of the forecasting NLL (spec 000, CoPE): ``w_i = 1[R_i >= thr] / (max(1, |S_x|) · X)``.
+    """Per-row weight of the forecasting NLL (CoPE): ``w_i = 1[R_i >= thr] / (max(1, |S_x|) · X)``.
 
     ``|S_x|`` counts the rows of ``i``'s group with ``R >= threshold``; dividing by ``X`` (the number of prompts)
     makes ``Σ_i w_i NLL_i = E_x[L_AF,x]``, the mean over all prompts. A group with no success gets weight 0,
@@ -51,7 +51,7 @@ def forecast_pairs(
     input_ids: Tensor, attention_mask: Tensor, prompt_length: int, loss_mask: Tensor, turn_index: Tensor | None,
     instruction_ids: Sequence[int], horizon: int, instruction_first: bool = False,
 ) -> list[tuple[list[int], list[int]]]:
-    """The ``(context, target)`` token-id pairs of one row, one per action ``t`` (spec 000, CoPE).
+    """The ``(context, target)`` token-id pairs of one row, one per action ``t`` (CoPE).
 
     ``context = h_t + instruction_ids``, with ``h_t`` every real token (``attention_mask`` 1) before action
     ``t``'s first token: the prompt, earlier actions and observations. ``target = a_t + ... + a_{m-1}``,
@@ -89,7 +89,7 @@ def forecast_pairs(
 
 
 def forecast_loss(logprobs: Tensor, mask: Tensor, pair_weights: Tensor) -> Tensor:
-    """``-Σ_p w_p Σ_j mask_{p,j} logprobs_{p,j}``: the weighted forecasting NLL (spec 000, CoPE).
+    """``-Σ_p w_p Σ_j mask_{p,j} logprobs_{p,j}``: the weighted forecasting NLL (CoPE).
 
     With one pair per action and ``w_p`` its row's ``forecast_weights``, this is ``E_x[L_AF,x]``.
 

@@ -1,4 +1,5 @@
-"""FlashREINFORCE's trajectory filter (spec 000, "Learning without value networks", FlashREINFORCE).
+"""FlashREINFORCE's trajectory filter (Hu et al. 2026, "FlashREINFORCE: Critic-free single-rollout asynchronous
+RL for agentic language models"; reference code ``yifanzhang-pro/FlashREINFORCE``; docs/algorithms.md).
 
 Per sampled token, the KL between two Bernoulli distributions {this token, any other token} under the rollout
 policy (probability ``p``) and the current policy (``q``); a trajectory is kept when the mean over its
@@ -18,7 +19,7 @@ _LOG_LOW, _LOG_HIGH = math.log(PROB_EPS), math.log1p(-PROB_EPS)
 
 
 def bernoulli_kl(logp: Tensor, logq: Tensor) -> Tensor:
-    """Per-token Bernoulli KL (spec 000, FlashREINFORCE): ``d = p log(p/q) + (1-p) log((1-p)/(1-q))``.
+    """Per-token Bernoulli KL (FlashREINFORCE's filter): ``d = p log(p/q) + (1-p) log((1-p)/(1-q))``.
 
     ``p = exp(logp)`` is the rollout (sampler) probability of the sampled token and ``q = exp(logq)`` the
     current policy's, at the same history. It is the KL from the sampler to the current policy of the two-way
@@ -52,7 +53,7 @@ def bernoulli_kl(logp: Tensor, logq: Tensor) -> Tensor:
 
 
 def trajectory_gate(d: Tensor, mask: Tensor, delta: float) -> Tensor:
-    """FlashREINFORCE's trajectory gate (spec 000, FlashREINFORCE): ``m = 1[1/T Σ_t d_t <= δ]``.
+    """FlashREINFORCE's trajectory gate (Hu et al. 2026): ``m = 1[1/T Σ_t d_t <= δ]``.
 
     ``T`` counts the model-generated tokens of the row (``mask == 1``); values of ``d`` outside the mask are
     ignored (even NaN). A row with no generated token gets ``m = 0``.

@@ -1,4 +1,4 @@
-"""Per-token KL estimators (Schulman's k1/k2/k3; spec 003 notation D_KL, spec 000 Tinker-style KL)."""
+"""Per-token KL estimators (Schulman's k1/k2/k3): GRPO's KL to a reference, the Tinker-style KL to the sampler."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def kl_estimate(logp: Tensor, logp_other: Tensor, kind: KLKind = "k3") -> Tensor
 
         k1 = -log_r                       (unbiased, can be negative)
         k2 = log_r**2 / 2                 (biased, low variance, >= 0)
-        k3 = exp(log_r) - 1 - log_r       (unbiased, >= 0; GRPO's estimator, spec 003 §6)
+        k3 = exp(log_r) - 1 - log_r       (unbiased, >= 0; GRPO's: Shao et al. 2024, arXiv 2402.03300, eq. 4)
 
     All three are 0 where ``logp == logp_other``. Differentiating k3 as a loss gives the gradient of the
     *forward* KL(other || p) in expectation (Tang & Munos 2025); it is kept for parity with GRPO.

@@ -256,7 +256,7 @@ def sampling_logprobs_at(
     with_entropy: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """``sampling_logprobs`` plus the log-probs at ``extra_ids`` ``[B, T, J]`` (e.g. the sampler's top-k ids or
-    auxiliary draws, spec 000 "Score Centering"/"StableReinforce"), from the same chunked pass and backward.
+    auxiliary draws of Score Centering and StableReinforce), from the same chunked pass and backward.
 
     Every log-prob is under the sampling distribution whose support keeps the sampled token (as
     ``sampling_logprobs``); an extra id outside the top-p support gets ``-inf`` and no gradient (callers that

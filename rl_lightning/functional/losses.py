@@ -1,4 +1,5 @@
-"""Per-token policy objectives and explicit loss aggregation (spec 003 §5 PPO, §6 GRPO).
+"""Per-token policy objectives and explicit loss aggregation (PPO: Schulman et al. 2017, arXiv 1707.06347;
+GRPO: Shao et al. 2024, arXiv 2402.03300).
 
 The loss is built along its independent axes: a ratio, a per-token objective (``clipped_surrogate``), then an
 aggregation by precomputed per-token weights (``aggregation_weights``). Weights are computed once per rollout
@@ -20,7 +21,8 @@ AggregationMode = Literal["seq_mean_token_mean", "token_mean", "seq_mean_token_s
 
 
 def clipped_surrogate(ratio: Tensor, advantages: Tensor, eps_low: float, eps_high: float) -> Tensor:
-    """PPO/GRPO per-token clipped objective, to be *maximised* (spec 003, §5 PPO and §6 GRPO).
+    """PPO/GRPO per-token clipped objective, to be *maximised* (PPO: Schulman et al. 2017, eq. 7;
+    GRPO: Shao et al. 2024, eq. 3).
 
     ``min(ρ A, clip(ρ, 1 - eps_low, 1 + eps_high) A)``
 
@@ -45,9 +47,9 @@ def aggregation_weights(mask: Tensor, mode: AggregationMode, num_sequences: int 
 
     Modes (``T_i`` = number of masked tokens of row ``i``, ``N`` = number of rows)::
 
-        seq_mean_token_mean  w = 1 / (N T_i)      (1/N) Σ_i (1/T_i) Σ_t ℓ    -- GRPO as spec 003 §6 writes it
+        seq_mean_token_mean  w = 1 / (N T_i)      (1/N) Σ_i (1/T_i) Σ_t ℓ    -- GRPO as DeepSeekMath's eq. 3 writes it
         token_mean           w = 1 / Σ_i T_i      Σ_{i,t} ℓ / Σ_i T_i        -- DAPO / TRL "dapo"
-        seq_mean_token_sum   w = 1 / N            (1/N) Σ_i Σ_t ℓ            -- PG / RLOO as spec 003 §1, §3 write it
+        seq_mean_token_sum   w = 1 / N            (1/N) Σ_i Σ_t ℓ            -- PG / RLOO: a response's log-prob
         token_sum            w = 1                Σ_{i,t} ℓ                  -- Tinker's built-in losses
         seq_mean_token_sum_norm  w = 1 / (N L)    (1/N) Σ_i Σ_t ℓ / L        -- Dr. GRPO (Liu et al. 2025,
                                                                              arXiv 2503.20783, eq. 3): L a constant
@@ -109,7 +111,7 @@ def clipped_policy_loss(
     eps_low: float,
     eps_high: float,
 ) -> tuple[Tensor, PolicyLossStats]:
-    """``-Σ w · min(ρA, clip(ρ) A)`` with ``ρ = exp(logprobs - old_logprobs)`` (spec 003 §5, §6).
+    """``-Σ w · min(ρA, clip(ρ) A)`` with ``ρ = exp(logprobs - old_logprobs)`` (PPO, GRPO).
 
     Args:
         logprobs: ``[B, T]`` learner log-probs of the generated tokens (carry the gradient).
@@ -133,7 +135,7 @@ def clipped_policy_loss(
 @torch.no_grad()
 def clip_statistics(ratio: Tensor, advantages: Tensor, mask: Tensor, eps_low: float, eps_high: float,
                     logprobs: Tensor, old_logprobs: Tensor) -> PolicyLossStats:
-    """The clip diagnostics of spec 003 §5/§6's clipped surrogate: token means over ``mask`` of where the clipped
+    """The clip diagnostics of PPO/GRPO's clipped surrogate: token means over ``mask`` of where the clipped
     branch of ``clipped_surrogate`` wins (below: ``ρ < 1 - eps_low`` with ``A < 0``; above: ``ρ > 1 + eps_high``
     with ``A > 0``), the mean ratio and the k3 estimate of KL(π_old ‖ π_θ); detached."""
     adv = (advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages).expand_as(ratio)
@@ -162,10 +164,10 @@ def policy_gradient_loss(
 ) -> tuple[Tensor, PolicyGradientStats]:
     """The REINFORCE surrogate ``-Σ_{i,t} w_{i,t} · sg(A_{i,t}) · log π_θ(a_{i,t} | s_{i,t})``.
 
-    With ``A_i = R_i`` and ``w = 1/N`` (``seq_mean_token_sum``) this is spec 003 §1 (Policy Gradient,
-    ``L = -R_i Σ_t log π``) averaged over responses; with ``A_i = R_i - b`` it is §2 (REINFORCE + baseline);
-    with leave-one-out ``A_i`` it is §3 (RLOO, ``-1/G Σ_i A_i Σ_t log π``). Advantages are constants: no
-    gradient flows into them.
+    With ``A_i = R_i`` and ``w = 1/N`` (``seq_mean_token_sum``) this is the policy gradient (REINFORCE, Williams
+    1992: ``L = -R_i Σ_t log π``) averaged over responses; with ``A_i = R_i - b`` it is REINFORCE with a baseline;
+    with leave-one-out ``A_i`` it is RLOO (Ahmadian et al. 2024, arXiv 2402.14740: ``-1/G Σ_i A_i Σ_t log π``).
+    Advantages are constants: no gradient flows into them.
 
     Args:
         logprobs: ``[B, T]`` learner log-probs (carry the gradient).
@@ -213,7 +215,8 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
 def clipped_value_loss(
     values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, weights: Tensor, clip_range: float | None
 ) -> tuple[Tensor, ValueLossStats]:
-    """PPO value loss (spec 003 §5; "N+ implementation details of RLHF with PPO"):
+    """PPO value loss (Schulman et al. 2017; Huang et al. 2024, "The N+ implementation details of RLHF with PPO",
+    arXiv 2403.17031):
 
     ``Σ w · ½ max((V - R)², (V_old + clip(V - V_old, -ε_v, ε_v) - R)²)`` with ``R`` the GAE returns;
     ``clip_range=None`` gives the plain ``Σ w · ½ (V - R)²``.

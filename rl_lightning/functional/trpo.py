@@ -1,6 +1,5 @@
-"""Trust-region pieces of TRPO (spec 003, §4 TRPO; Schulman et al. 2015, "Trust Region Policy Optimization",
-arXiv 1502.05477): the surrogate, the full-vocabulary KL whose Hessian is the Fisher matrix, conjugate gradient
-and the step scale.
+"""Trust-region pieces of TRPO (Schulman et al. 2015, "Trust Region Policy Optimization", arXiv 1502.05477): the
+surrogate, the full-vocabulary KL whose Hessian is the Fisher matrix, conjugate gradient and the step scale.
 
 TRPO approximately solves ``max_θ S(θ)  s.t.  KL(π_old ‖ π_θ) <= δ``: with ``g = ∇S`` and the Fisher matrix
 ``F = ∇² KL`` at θ_old, the step is ``sqrt(2δ / xᵀFx) · x`` with ``x = F⁻¹ g`` found by conjugate gradient
@@ -26,7 +25,7 @@ def conjugate_gradient(
     matvec: Callable[[Tensor], Tensor], b: Tensor, iters: int, residual_tol: float = 1e-10,
     with_residual: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """Solve ``F x = b`` for a symmetric positive-definite ``F`` given only ``v -> F v`` (spec 003, §4 TRPO;
+    """Solve ``F x = b`` for a symmetric positive-definite ``F`` given only ``v -> F v`` (TRPO;
     Schulman et al. 2015, Appendix C).
 
     Standard CG from ``x_0 = 0``::
@@ -82,7 +81,7 @@ def conjugate_gradient(
 
 
 def trust_region_scale(x: Tensor, Fx: Tensor, delta: float) -> Tensor:  # noqa: N803 (F is the paper's name)
-    """Scale ``β`` of the maximal step ``β x`` inside the quadratic trust region (spec 003, §4 TRPO;
+    """Scale ``β`` of the maximal step ``β x`` inside the quadratic trust region (TRPO;
     Schulman et al. 2015, Appendix C).
 
     The quadratic KL model ``½ (βx)ᵀF(βx) = δ`` gives ``β = sqrt(2δ / xᵀFx)``. When ``xᵀFx <= 0`` (a
@@ -112,8 +111,8 @@ def trust_region_scale(x: Tensor, Fx: Tensor, delta: float) -> Tensor:  # noqa: 
 
 
 def categorical_kl(old_logp: Tensor, new_logp: Tensor, mask: Tensor) -> Tensor:
-    """Token-mean full-vocabulary ``KL(π_old ‖ π_new)`` over the masked positions (spec 003, §4 TRPO and the
-    notation of D_KL; Schulman et al. 2015, the constraint ``D̄_KL(θ_old, θ) <= δ``)::
+    """Token-mean full-vocabulary ``KL(π_old ‖ π_new)`` over the masked positions (TRPO;
+    Schulman et al. 2015, the constraint ``D̄_KL(θ_old, θ) <= δ``)::
 
         KL = (1 / Σ mask) Σ_{i,t: mask=1} Σ_v p_old(v) (log p_old(v) - log p_new(v))
 
@@ -149,7 +148,7 @@ def categorical_kl(old_logp: Tensor, new_logp: Tensor, mask: Tensor) -> Tensor:
 
 def importance_surrogate(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
                          weights: Tensor) -> Tensor:
-    """TRPO's surrogate objective, to be *maximised* (spec 003, §4 TRPO "approximately maximizes ρA";
+    """TRPO's surrogate objective, to be *maximised* (TRPO;
     Schulman et al. 2015, eq. 14)::
 
         S(θ) = Σ_{i,t} w_{i,t} ρ_{i,t} A_{i,t},   ρ = exp(log π_θ - log π_old)
@@ -180,7 +179,7 @@ def importance_surrogate(logprobs: Tensor, old_logprobs: Tensor, advantages: Ten
 def fisher_vector_product(
     kl: Tensor, params: Sequence[Tensor], damping: float = 0.0
 ) -> Callable[[Tensor], Tensor]:
-    """``v -> F v + damping · v`` with ``F = ∇²_θ KL`` by double backpropagation (spec 003, §4 TRPO;
+    """``v -> F v + damping · v`` with ``F = ∇²_θ KL`` by double backpropagation (TRPO;
     Schulman et al. 2015, Appendix C.1 "Computing the Fisher-Vector Product")::
 
         F v = ∇_θ ( (∇_θ KL)ᵀ v )
@@ -228,7 +227,7 @@ def gauss_newton_vector_product(
     damping: float = 0.0,
 ) -> Callable[[Tensor], Tensor]:
     """``v -> F v + damping · v`` with the Fisher matrix in Gauss-Newton form, without a double backward through
-    the model (spec 003, §4 TRPO; Schulman et al. 2015, Appendix C.1; Martens 2014, "New insights and
+    the model (TRPO; Schulman et al. 2015, Appendix C.1; Martens 2014, "New insights and
     perspectives on the natural gradient method", §9)::
 
         F v = Jᵀ M (J v),   M = ⊕_{i,t: mask=1} (diag(p) - p pᵀ) / (τ² Σ mask),   p = exp(old_logp[i, t])
@@ -333,8 +332,9 @@ def backtracking_line_search(
     params: Sequence[Tensor], full_step: Tensor, evaluate: Callable[[], tuple[Tensor, Tensor]],
     accept: Callable[[Tensor, Tensor], bool], backtrack_iters: int, coeff: float,
 ) -> tuple[int, Tensor, Tensor, Tensor] | None:
-    """TRPO's line search (spec 003, §4): try ``θ_old + c^k s`` for ``k = 0 .. backtrack_iters`` and keep the first
-    trial that ``accept(improvement, kl)`` takes, ``(improvement, kl) = evaluate()`` measured at the trial weights.
+    """TRPO's line search (Schulman et al. 2015, Appendix C): try ``θ_old + c^k s`` for ``k = 0 .. backtrack_iters``
+    and keep the first trial that ``accept(improvement, kl)`` takes, ``(improvement, kl) = evaluate()`` measured at
+    the trial weights.
 
     Returns ``(k, step, kl, improvement)`` of the accepted trial or ``None``; either way the parameters are put back
     to ``θ_old`` bit for bit (the caller applies the step).

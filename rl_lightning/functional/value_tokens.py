@@ -1,5 +1,5 @@
-"""A generative critic's value tokens and TEMPO's macro-step targets (spec 000, "Changing what critics do": TEMPO's
-generative critic and macro-step returns, AC2's value token; NOTES §10, §11).
+"""A generative critic's value tokens and TEMPO's macro-step targets (TEMPO's generative critic and macro-step
+returns, AC2's value token; docs/algorithms.md, TEMPO and AC2).
 
 The critic is the policy itself: after a critic context it emits one token of a fixed grid of ``K`` value tokens
 standing for ``K`` evenly spaced values ``v_0 < .. < v_{K-1}`` on ``[R_min, R_max]`` (``value_levels``). Its value
@@ -15,7 +15,7 @@ from torch import Tensor
 
 
 def value_levels(r_min: float, r_max: float, bins: int = 11, device: torch.device | str | None = None) -> Tensor:
-    """``[K]`` the grid's values ``v_k = R_min + k (R_max - R_min) / (K - 1)`` (NOTES §11: 11 bins on [0, 1] at 0.1).
+    """``[K]`` the grid's values ``v_k = R_min + k (R_max - R_min) / (K - 1)`` (e.g. 11 bins on [0, 1], 0.1 apart).
 
     Example:
         >>> value_levels(0.0, 1.0, 3).tolist()
@@ -28,7 +28,7 @@ def value_levels(r_min: float, r_max: float, bins: int = 11, device: torch.devic
 
 def value_from_grid(logprobs: Tensor, grid: Tensor) -> Tensor:
     """``[C]`` ``V = Σ_k p_k v_k`` with ``p = softmax(logprobs)`` over the ``K`` grid ids only (the value token's
-    distribution restricted to the grid and renormalised; spec 000 TEMPO's generative critic, NOTES §11).
+    distribution restricted to the grid and renormalised: TEMPO's generative critic, AC2's value token).
 
     ``logprobs`` ``[C, K]``: next-token log-probs (or logits) of the grid ids after each context; any constant
     per context cancels. ``grid`` ``[K]``: the values ``v_k``.
@@ -45,7 +45,8 @@ def value_from_grid(logprobs: Tensor, grid: Tensor) -> Tensor:
 def nearest_bin(target: Tensor, grid: Tensor) -> Tensor:
     """``[C]`` long: the bin of each target on an evenly spaced ``grid`` ``[K]``: ``target`` clipped to
     ``[v_0, v_{K-1}]``, then ``k = floor((t - v_0) / Δ + 1/2)`` -- a target exactly between two bins goes to the
-    upper one (round half up; within 1e-6 of a bin's width, so a float32 0.95 counts as the edge). The "rounded target" of spec 000's value token (AC2: the rounded group mean).
+    upper one (round half up; within 1e-6 of a bin's width, so a float32 0.95 counts as the edge). AC2's value
+    token target is the group mean rounded this way.
 
     Example:
         >>> nearest_bin(torch.tensor([-3.0, 0.04, 0.05, 0.95, 2.0]), torch.linspace(0, 1, 11)).tolist()
@@ -62,8 +63,8 @@ def nearest_bin(target: Tensor, grid: Tensor) -> Tensor:
 def value_token_ce(logprobs: Tensor, bins: Tensor) -> Tensor:
     """``[C]`` the cross-entropy ``-log p_{bin}`` of the target bins under the grid-restricted distribution
     (``p = softmax(logprobs)`` over the ``K`` grid ids, as in ``value_from_grid``); ``logprobs`` ``[C, K]``,
-    ``bins`` ``[C]`` (``nearest_bin``). Spec 000: "train the shared generative critic ... to output the rounded
-    ... value as a value token".
+    ``bins`` ``[C]`` (``nearest_bin``): AC2 trains its critic with it, the target being the value token of the
+    rounded group mean.
 
     Example:
         >>> value_token_ce(torch.log(torch.tensor([[0.25, 0.75]])), torch.tensor([1])).tolist()  # -log 0.75
@@ -74,10 +75,11 @@ def value_token_ce(logprobs: Tensor, bins: Tensor) -> Tensor:
 
 def accuracy_advantages(values: Tensor, targets: Tensor, group_size: int, r_min: float, r_max: float,
                         scale: bool = False, eps: float = 1e-6) -> tuple[Tensor, Tensor]:
-    """``(rewards, advantages)`` ``[N]`` of a critic's sampled estimates (TEMPO, spec 000 "Learn to evaluate"; NOTES
-    §10): ``r = -|V̂ - y| / (R_max - R_min)`` (the write-up's ``-|V̂ - G| / R_max`` when ``R_min = 0``), centred
-    within each state's group of ``group_size`` contiguous estimates, ``A = r - mean_G(r)``; ``scale`` also divides
-    by the group's population std plus ``eps`` (NOTES: whether the std is used is open, so it is a flag).
+    """``(rewards, advantages)`` ``[N]`` of a critic's sampled estimates (TEMPO's critic training;
+    docs/algorithms.md, TEMPO): ``r = -|V̂ - y| / (R_max - R_min)`` (the write-up's ``-|V̂ - G| / R_max`` when
+    ``R_min = 0``), centred within each state's group of ``group_size`` contiguous estimates, ``A = r - mean_G(r)``;
+    ``scale`` also divides by the group's population std plus ``eps`` (whether TEMPO uses the std is not published,
+    so it is a flag).
 
     Example:
         >>> accuracy_advantages(torch.tensor([0.0, 1.0]), torch.tensor([0.25, 0.25]), 2, 0.0, 1.0)[1].tolist()
@@ -95,9 +97,9 @@ def accuracy_advantages(values: Tensor, targets: Tensor, group_size: int, r_min:
 
 
 def macro_step_returns(segment_rewards: Tensor, terminated: Tensor, end_values: Tensor) -> Tensor:
-    """``[N]`` TEMPO's ``G_i = Σ_{h<H} r_{i,h} + V̂(s_{i,H})`` (spec 000 TEMPO, undiscounted): each branch's summed
-    segment reward plus the critic's value of its end state, detached; a terminated branch's end has value 0
-    (NOTES §10), so its ``end_values`` entry is ignored (it may be NaN: the critic need not be queried there).
+    """``[N]`` TEMPO's ``G_i = Σ_{h<H} r_{i,h} + V̂(s_{i,H})`` (TEMPO, undiscounted): each branch's summed
+    segment reward plus the critic's value of its end state, detached; a terminated branch's end has value 0,
+    so its ``end_values`` entry is ignored (it may be NaN: the critic need not be queried there).
 
     Example:
         >>> macro_step_returns(torch.tensor([0.0, 1.0]), torch.tensor([False, True]),
@@ -112,7 +114,7 @@ def macro_step_returns(segment_rewards: Tensor, terminated: Tensor, end_values: 
 
 def branch_mean_targets(returns: Tensor, group_size: int) -> Tensor:
     """``[S]`` ``y(s) = (1/n) Σ_i G_i`` over each state's ``n = group_size`` contiguous branches: the target of the
-    starting state's value (spec 000 TEMPO).
+    starting state's value (TEMPO).
 
     Example:
         >>> branch_mean_targets(torch.tensor([0.0, 1.0, 1.0, 1.0]), 2).tolist()

@@ -1,5 +1,5 @@
-"""``RolloutProducer``: asynchronous rollouts (spec 000, SAO "Single-rollout sampling": collect trajectories
-asynchronously, so training need not wait for them).
+"""``RolloutProducer``: asynchronous rollouts (SAO's asynchronous sampling, Hou et al. 2026, arXiv 2607.07508:
+training need not wait for the trajectories).
 
 A background thread generates training batches on the rollout engine, with weights of its own (for the
 in-process engines a copy of the policy; the ``SamplerSync`` owns them), into a bounded queue while the learner
