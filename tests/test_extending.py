@@ -70,7 +70,7 @@ def test_the_page_shows_the_example_files_verbatim():
             titled[match.group(1)] = content
     assert set(titled) == {"docs/examples/dr_grpo.py", "docs/examples/dr_grpo.yaml", "docs/examples/steering.py",
                            "docs/examples/head_kl.py", "docs/examples/value_rows.py", "docs/examples/branching.py",
-                           "docs/examples/group_filters.py"}
+                           "docs/examples/group_filters.py", "docs/examples/sequence_clip.py"}
     for path, content in titled.items():
         assert content == (REPO / path).read_text(), f"docs/extending.md is out of date with {path}"
     assert len((EXAMPLES / "dr_grpo.py").read_text().splitlines()) < 60
@@ -343,3 +343,38 @@ def test_the_group_filter_and_reward_shaper_example_run_and_compute_what_they_sa
                                                               datamodule=data)
     assert len(record.rewards) == 2 and all(r.numel() == 16 for r in record.rewards)
     assert all(r.max() <= 1.1 and r.min() >= 0.0 for r in record.rewards)  # task reward 0 or 1, plus up to 0.1
+
+
+def test_the_sequence_level_example_equals_the_library_gspo():
+    """docs/examples/sequence_clip.py on two responses: token ratios 2 and 0.5 (s = 1) and 1.0005 twice
+    (s = 1.0005, outside [1 - 3e-4, 1 + 4e-4]): the same objective and gradient as rl_lightning's GSPO, and
+    not GRPO's (which clips the first response's ratio-2 token)."""
+    import math
+
+    from rl_lightning.algorithms import GRPO, GSPO
+    from rl_lightning.algorithms.forward import PolicyOutput
+
+    mine = _example("sequence_clip").SequenceClipGRPO(model_name_or_path="embedded:random")
+    sampler = torch.log(torch.tensor([[0.25, 0.5], [0.5, 0.5]]))
+    mask = torch.ones(2, 2, dtype=torch.long)
+    batch = RolloutBatch(input_ids=torch.ones(2, 4, dtype=torch.long), attention_mask=torch.ones(2, 4, dtype=torch.long),
+                         prompt_length=2, loss_mask=mask, sampler_logprobs=sampler, rewards=torch.zeros(2),
+                         group_size=2, prompt_index=torch.zeros(2, dtype=torch.long),
+                         truncated=torch.zeros(2, dtype=torch.bool))
+    learner = torch.log(torch.tensor([[0.5, 0.25], [0.5 * 1.0005, 0.5 * 1.0005]]))
+    adv = Advantages(torch.tensor([[1.0], [1.0]]))
+
+    def run(module):  # noqa: ANN001, ANN202
+        logp = learner.clone().requires_grad_(True)
+        out = PolicyOutput(logprobs=logp)
+        ratio = torch.exp(logp - sampler)
+        objective, _ = module.policy_objective(batch, out, ratio, adv)
+        (objective * mask / 4).sum().backward()  # seq_mean_token_mean weights: 1 / (N T_i)
+        return objective.detach(), logp.grad
+
+    got, want = run(mine), run(GSPO(model_name_or_path="embedded:random"))
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])
+    assert got[0][0].tolist() == pytest.approx([1.0, 1.0]) and got[1][1].abs().sum() == 0  # row 1 clipped
+    grpo, _ = run(GRPO(model_name_or_path="embedded:random"))
+    assert grpo[0, 0].item() == pytest.approx(1.2) and not math.isclose(grpo[0, 0].item(), got[0][0, 0].item())
