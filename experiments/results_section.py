@@ -21,6 +21,7 @@ RESULTS = REPO / "docs" / "results.md"
 BEGIN, END = "<!-- protocol-studies -->", "<!-- /protocol-studies -->"
 STUDIES = (
     ("shipped_arithmetic", "Shipped configs on 2-digit addition (a learning check: most mechanisms cannot act here)"),
+    ("lag_mechanisms", "Off-policy and single-stream mechanisms on 2-digit addition: one ablation each"),
     ("reach", "Reach the target (multi-turn, distinct starting states): GRPO and TEMPO"),
     ("running_sum", "Running sums written out (long responses): GRPO"),
 )
