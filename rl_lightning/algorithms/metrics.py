@@ -18,7 +18,6 @@ ranks depends on what the value is, so the value says it:
 from __future__ import annotations
 
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Union
 
@@ -188,33 +187,20 @@ def log_step(module: Any, metrics: dict[str, Tensor], step: int, batch_size: int
             logger.log_metrics(scalars, step=step)
 
 
-# ``StepLogging.on_before_batch_transfer`` only starts the step's clock and returns the batch unchanged, while the
-# data module's ``on_after_batch_transfer`` makes the rollout: Lightning's note that the module's hook is the one used
-# says nothing a user needs to act on.
-warnings.filterwarnings("ignore", message=r"You have overridden `on_before_batch_transfer` in `LightningModule` but")
-
-
 class StepLogging:
     """The step's log as ``RLModule`` methods: the learning rates each update was taken with, the metrics, the
     metrics callbacks add (``add_step_metrics``) and the step's wall clock.
 
-    ``perf/step_time`` is the wall clock of the whole step: from before its rollout (``on_before_batch_transfer``,
-    which Lightning calls before the data module's ``on_after_batch_transfer`` generates it) to after every
+    ``perf/step_time`` is the wall clock of the whole step: from the start of its rollout (the data module's
+    ``step_started``, noted in its ``on_after_batch_transfer`` before it generates) to after every
     callback's ``on_train_batch_end`` (this module's ``on_train_batch_end`` runs last), so work callbacks do in the
     step -- audits, extra rollouts, checkpoint writes -- counts. It and ``perf/tokens_per_sec`` are logged then,
     with the callbacks' metrics, at the step's index.
     """
 
     _step_learning_rates: dict[str, Tensor] | None = None  # noted at on_train_batch_start for the step's log
-    _step_started: float | None = None  # the step's start (before its rollout)
     _step_pending: tuple[int, int, float, float] | None = None  # (step, rows, tokens, fallback start)
     _step_extra: dict[str, Tensor] | None = None  # add_step_metrics of the running step
-
-    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """Start the training step's clock (before the rollout, which runs after the transfer)."""
-        if getattr(batch, "split", None) == "train":
-            self._step_started, self._step_extra = time.perf_counter(), None
-        return batch
 
     def add_step_metrics(self, metrics: dict[str, Any]) -> None:
         """Add metrics of the running training step from outside the update -- a callback's (an audit's error),
@@ -230,8 +216,9 @@ class StepLogging:
         """After every callback's ``on_train_batch_end``: ``perf/step_time``, ``perf/tokens_per_sec``,
         ``perf/sampled_tokens`` (the data module's ``take_sampled_tokens``) and the metrics callbacks added
         (``add_step_metrics``), at the step's index."""
-        pending, extra, started = self._step_pending, self._step_extra or {}, self._step_started
-        self._step_pending, self._step_extra, self._step_started = None, None, None
+        pending, extra = self._step_pending, self._step_extra or {}
+        self._step_pending, self._step_extra = None, None
+        started = getattr(getattr(self.trainer, "datamodule", None), "step_started", None)
         if pending is None:
             return
         step, rows, tokens, fallback = pending

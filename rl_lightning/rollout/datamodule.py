@@ -200,6 +200,7 @@ class RolloutDataModule(LightningDataModule):
         self.extra_draws = 0  # prompt draws beyond one per step so far (dynamic sampling's refills)
         self._extra_draws_at_step = 0  # ... when the current step's rollout began (what a mid-step checkpoint saves)
         self._fill_metrics: dict[str, Tensor] = {}
+        self.step_started: float | None = None  # perf_counter() when the running training step's rollout began
         self.reward_shapers = list(reward_shapers or [])
         for shaper in self.reward_shapers:
             shaper.bind(self)
@@ -309,7 +310,11 @@ class RolloutDataModule(LightningDataModule):
 
     # ------------------------------------------------------------------ rollouts
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Where a step's rollout is made: Lightning hands each ``PromptBatch`` of the loader here, on the device.
+        A training step's start is noted first (``step_started``: ``perf/step_time`` counts from it)."""
         if isinstance(batch, PromptBatch):
+            if batch.split == "train":
+                self.step_started = time.perf_counter()
             return self.rollout(batch)
         return batch
 
