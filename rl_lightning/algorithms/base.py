@@ -63,6 +63,8 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
             the same log-probs and gradient; off by itself where it cannot be exact).
     """
 
+    #: settings whose parent-class checks this class replaces with its own (``checks.check_settings``)
+    relaxed_settings: frozenset[str] = frozenset()
     #: smallest ``data.group_size`` the method's advantages make sense for (2 for group baselines)
     min_group_size: int = 1
     #: ask ``forward_policy`` for a differentiable entropy (entropy bonuses) / the final hidden states (value heads)

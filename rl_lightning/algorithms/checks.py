@@ -23,10 +23,16 @@ class NonFiniteLossError(FloatingPointError):
     """A loss or gradient was NaN/inf; raised before the optimiser step, so the weights stay finite."""
 
 
-def check_settings(owner: Any, rules: Iterable[tuple[str, Any, bool, str]]) -> None:
-    """Raise for the first rule whose ``valid`` is false (see the module docstring)."""
+def check_settings(owner: Any, rules: Iterable[tuple[str, Any, bool, str]], own: bool = False) -> None:
+    """Raise for the first rule whose ``valid`` is false (see the module docstring).
+
+    A subclass that gives a parent's setting a wider meaning (CISPO-like "no floor" for a clip its parent bounds)
+    names the setting in its class attribute ``relaxed_settings``: the parent's rules for it are then skipped, and
+    the subclass checks it itself with ``own=True`` (which checks every rule it is given).
+    """
+    relaxed = () if own else getattr(type(owner), "relaxed_settings", ())
     for name, value, valid, rule in rules:
-        if not valid:
+        if not valid and name not in relaxed:
             raise ConfigError(f"{type(owner).__name__}: {name} {rule}, got {value!r}")
 
 

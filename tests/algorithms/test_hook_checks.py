@@ -68,3 +68,26 @@ def test_a_misspelt_hook_warns_when_the_class_is_made():
         class Direct(RLModule):
             def compute_advantages(self, batch):
                 return Advantages(batch.rewards)
+
+
+def test_a_subclass_can_take_over_a_parents_setting_check():
+    """GRPO refuses clip_eps_low >= 1; a subclass that means "no floor" by it relaxes GRPO's rule and checks its
+    own (relaxed_settings + check_settings(own=True)); GRPO itself still refuses."""
+    from rl_lightning import ConfigError, check_settings
+    from rl_lightning.algorithms import GRPO
+
+    class NoFloorGRPO(GRPO):
+        relaxed_settings = frozenset({"clip_eps_low"})
+
+        def __init__(self, **kwargs) -> None:  # noqa: ANN003
+            super().__init__(**kwargs)
+            check_settings(self, [("clip_eps_low", self.clip_eps_low, self.clip_eps_low >= 0, "must be >= 0")],
+                           own=True)
+
+    assert NoFloorGRPO(model_name_or_path="embedded:random", clip_eps_low=5.0).clip_eps_low == 5.0
+    with pytest.raises(ConfigError, match=r"GRPO: clip_eps_low must be in \[0, 1\), got 5.0"):
+        GRPO(model_name_or_path="embedded:random", clip_eps_low=5.0)
+    with pytest.raises(ConfigError, match="NoFloorGRPO: clip_eps_low must be >= 0, got -1.0"):
+        NoFloorGRPO(model_name_or_path="embedded:random", clip_eps_low=-1.0)
+    with pytest.raises(ConfigError, match="NoFloorGRPO: clip_eps_high must be >= 0"):  # other rules still hold
+        NoFloorGRPO(model_name_or_path="embedded:random", clip_eps_high=-1.0)
