@@ -1,4 +1,4 @@
-"""AC2 (spec 000, "Changing what critics do"; NOTES §11) on real 3-digit-addition chunks: advantages sum to 0 per
+"""AC2 (no public paper: docs/algorithms.md, AC2) on real 3-digit-addition chunks: advantages sum to 0 per
 prefix and are shared by a chunk's tokens, the prefix is context, a finished chunk is worth R, an unfinished one a
 completion's R (an audit) until its problem is ready and the critic's value after; the readiness check on numbers;
 ``FullRolloutAudit`` completes a fraction of the candidates and feeds the method's readiness."""

@@ -1,4 +1,4 @@
-"""BPCO and EasyPPO (spec 000, "Changing what critics see" / "Stabilizing policy updates"): their advantages,
+"""BPCO and EasyPPO (docs/algorithms.md, BPCO; EasyPPO, arXiv 2609.36802): their advantages,
 critic targets, clip interval, truncation filter and critic weights, on hand batches through the modules."""
 
 from __future__ import annotations

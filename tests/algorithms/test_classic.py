@@ -28,7 +28,7 @@ def test_reinforce_family_trains(cls, tmp_path, recorder):
     assert any(not torch.equal(before[k], after[k]) for k in before)
     bound = decoder_logprob_bound(module.policy, 1.0, module.policy.config.max_position_embeddings)
     assert recorder.metrics[0]["train/sampler_logp_diff"] <= bound  # on-policy: float32 rounding
-    assert module.loss_aggregation == "seq_mean_token_sum"  # the spec's token sum, averaged over responses
+    assert module.loss_aggregation == "seq_mean_token_sum"  # REINFORCE's token sum, averaged over responses
 
 
 def _batch(rewards: list[float], group_size: int) -> RolloutBatch:

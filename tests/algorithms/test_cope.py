@@ -1,5 +1,5 @@
-"""CoPE (spec 000, CoPE) on real guess-the-number episodes: the forecast targets, the AF term's value and
-gradient, η = 0 = GRPO, split invariance, a short fit, the config and the refusals."""
+"""CoPE (no public paper: docs/algorithms.md, CoPE) on real guess-the-number episodes: the forecast targets, the AF
+term's value and gradient, η = 0 = GRPO, split invariance, a short fit, the config and the refusals."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def with_rewards(batch: RolloutBatch, rewards: list[float]) -> RolloutBatch:
 
 
 def reference_pairs(batch: RolloutBatch, row: int, instruction: list[int], k: int) -> list[tuple[list, list]]:
-    """The pairs by a plain loop over the row's turns (the test's own reading of the spec)."""
+    """The pairs by a plain loop over the row's turns (the test's own reading of the method)."""
     p, n = batch.prompt_length, int(batch.num_turns[row])
     real = batch.input_ids[row][batch.attention_mask[row].bool()].tolist()  # the whole trajectory, no padding
     lead = int((batch.attention_mask[row, :p] == 0).sum())  # left padding of the prompt

@@ -1,4 +1,4 @@
-"""FlashREINFORCE (spec 000, FlashREINFORCE): the loss's gradient is the spec's formula, the gate filters whole
+"""FlashREINFORCE (Hu et al. 2026): the loss's gradient is the written-out formula, the gate filters whole
 trajectories and keeps them in B, advantages use the mean over every rank, the update and its metrics do not
 depend on micro-batching or on the split over ranks, and the method trains from its config's settings."""
 
@@ -127,7 +127,7 @@ def test_bad_settings_are_refused_naming_the_field():
 # ------------------------------------------------------------------------------------------------ the loss
 
 
-def test_gradient_with_respect_to_the_logprobs_is_the_spec_formula():
+def test_gradient_with_respect_to_the_logprobs_is_the_written_out_formula():
     """Rows: on-policy (kept), a small and a large mismatch, an empty row; one of them is filtered."""
     module = _module(delta=5e-3)
     batch = _lag(module, _batch([4, 2, 3, 0, 1], [1.0, 0.0, 0.5, 0.25, 1.0]), [0.0, 0.02, 3.0, 0.0, 0.05])
@@ -146,7 +146,7 @@ def test_gradient_with_respect_to_the_logprobs_is_the_spec_formula():
     assert plain(stats["train/trajectory_keep_fraction"]).item() == pytest.approx(3 / 5, rel=4 * 2.0**-24)  # B = 5
 
 
-def test_parameter_gradient_is_the_spec_formula():
+def test_parameter_gradient_is_the_written_out_formula():
     module = _module(delta=1e-3)
     batch = _lag(module, _batch([4, 2, 3, 1], [1.0, 0.0, 0.5, 0.0], seed=1), [0.0, 0.01, 0.5, 0.02])
     params = [p for p in module.policy.parameters() if p.requires_grad]

@@ -1,4 +1,4 @@
-"""LVRL (spec 000, "Changing what critics see"; NOTES §13): the per-token advantages of a hand-built multi-turn
+"""LVRL (no public paper: docs/algorithms.md, LVRL): the per-token advantages of a hand-built multi-turn
 batch with an oracle critic, equal steps for the linear critic, the telescoping sum for the frozen-policy critic on
 real guess-the-number episodes, one advantage per action, none on observations, single-turn = GRPO, the fallbacks
 and the refusals."""

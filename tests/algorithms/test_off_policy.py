@@ -1,7 +1,7 @@
-"""Off-policy corrections as modules (spec 000, "Score Centering", "StableReinforce"; truncated importance
-sampling): the update's gradient is the written-out formula on a batch whose sampler is not the learner, the
-learner's log-probs at recorded ids come from the same forward, and the methods refuse data that lacks what
-they read."""
+"""Off-policy corrections as modules (Score Centering: Marek & Ryabinin 2026, arXiv 2609.20807; StableReinforce:
+Tinker's loss; truncated importance sampling): the update's gradient is the written-out formula on a batch whose
+sampler is not the learner, the learner's log-probs at recorded ids come from the same forward, and the methods
+refuse data that lacks what they read."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""SAO (spec 000, "Stabilizing policy updates", SAO): the band mask's gradient, skip-observation GAE with the
+"""SAO (Hou et al. 2026, arXiv 2607.07508): the band mask's gradient, skip-observation GAE with the
 actor's length-adaptive λ and the critic's λ = 1, and a fit of its config on the multi-turn task with the
 asynchronous producer."""
 

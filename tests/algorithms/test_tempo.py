@@ -1,4 +1,4 @@
-"""TEMPO (spec 000, "Changing what critics do"; NOTES §10) on real guess-the-number branches: every branch terminal
+"""TEMPO (no public paper: docs/algorithms.md, TEMPO) on real guess-the-number branches: every branch terminal
 within H gives the Monte-Carlo return with no critic call; cut branches bootstrap with the critic's value of their
 end state; y(s) is the branch mean; the critic's rewards are centred per state; warm-up, replay and refusals; a
 CLI fit past the warm-up resumes bitwise."""

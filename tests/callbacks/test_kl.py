@@ -25,7 +25,7 @@ def _term(target: str, estimator: str, logp: torch.Tensor, other: torch.Tensor, 
 
 
 def test_kl_to_the_sampler_is_log_q_minus_log_p_and_pulls_toward_the_sampler():
-    # spec 000 (StableReinforce, "Official API and KL"): L_KL = beta * sum_t [log q - log p_theta]
+    # Tinker's KL to the sampler (StableReinforce; docs/algorithms.md): L_KL = beta * sum_t [log q - log p_theta]
     logp = torch.tensor([[-1.2]], requires_grad=True)
     logq = torch.tensor([[-0.5]])
     term, stats = _term("sampler", "k1", logp, logq, beta=2.0)
@@ -43,7 +43,8 @@ def test_k3_to_the_sampler_is_the_k3_of_kl_q_p():
 
 
 def test_kl_to_the_reference_keeps_grpos_direction():
-    # spec 003 §6: k3 of KL(pi_theta || pi_ref) with r = pi_ref / pi_theta at tokens from pi_old ~ pi_theta
+    # GRPO's KL (Shao et al. 2024, eq. 4): k3 of KL(pi_theta || pi_ref) with r = pi_ref / pi_theta at tokens from
+    # pi_old ~ pi_theta
     logp, logref = torch.tensor([[-1.2]]), torch.tensor([[-0.5]])
     term, _ = _term("reference", "k3", logp, logref)
     r = math.exp(-0.5 + 1.2)

@@ -1,4 +1,5 @@
-"""Worked-example tests for ``rl_lightning.functional.advantages`` (spec 003 §3 RLOO, §5 PPO/GAE, §6 GRPO)."""
+"""Worked-example tests for ``rl_lightning.functional.advantages`` (RLOO: Ahmadian et al. 2024, arXiv 2402.14740;
+PPO's GAE: Schulman et al. 2015, arXiv 1506.02438; GRPO: Shao et al. 2024, arXiv 2402.03300)."""
 
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ from tests.tolerances import gamma, sum_tolerance
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def test_group_advantages_spec_example():
-    # Spec 003 notation: R = [1, 1, 0, 0]
+def test_group_advantages_worked_example():
+    # GRPO's notation (Shao et al. 2024): R = [1, 1, 0, 0]
     #   μ_G = (1 + 1 + 0 + 0) / 4 = 0.5
     #   σ_G = sqrt(1/4 * (0.25 + 0.25 + 0.25 + 0.25)) = sqrt(0.25) = 0.5      (population std)
     #   A   = (R - 0.5) / (0.5 + eps) = [+1, +1, -1, -1]  (up to eps)
@@ -76,7 +77,7 @@ def test_group_advantages_scale_false():
     ids=["half", "zeros", "ones", "zeros8", "ones3", "quarter6"],
 )
 def test_group_advantages_zero_variance_is_exactly_zero(rewards):
-    # σ_G = 0: the spec's formula is 0/0; we require A = 0 exactly and no NaN.
+    # σ_G = 0: GRPO's formula is 0/0; we require A = 0 exactly and no NaN.
     r = torch.tensor(rewards)
     adv = group_advantages(r, group_size=len(rewards))
     assert not torch.isnan(adv).any()
@@ -149,8 +150,8 @@ def test_group_advantages_matches_loop_reference():
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def test_leave_one_out_spec_example():
-    # Spec 003 §3: R = [1.0, 0.8, 0.2, 0.0], G = 4
+def test_leave_one_out_worked_example():
+    # RLOO (Ahmadian et al. 2024): R = [1.0, 0.8, 0.2, 0.0], G = 4
     #   b_1 = (0.8 + 0.2 + 0.0)/3 = 0.333  → A_1 = 1.0 - 0.333 = 0.667
     #   b_2 = (1.0 + 0.2 + 0.0)/3 = 0.4    → A_2 = 0.8 - 0.4   = 0.4
     #   b_3 = (1.0 + 0.8 + 0.0)/3 = 0.6    → A_3 = 0.2 - 0.6   = -0.4

@@ -1,5 +1,6 @@
-"""Score centering, its Monte-Carlo form and truncated importance sampling (spec 000, "Score Centering",
-"StableReinforce"; NOTES §15, §17), checked on logit gradients computed by autograd through the real losses."""
+"""Score centering, its Monte-Carlo form and truncated importance sampling (Score Centering: Marek & Ryabinin 2026,
+arXiv 2609.20807; the Monte-Carlo form: Tinker's StableReinforce loss; docs/algorithms.md), checked on logit
+gradients computed by autograd through the real losses."""
 
 from __future__ import annotations
 

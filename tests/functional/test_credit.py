@@ -1,4 +1,4 @@
-"""LVRL's anchored credit (spec 000, "Changing what critics see", LVRL; NOTES §13) on numbers: hand cases, the
+"""LVRL's anchored credit (no public paper: docs/algorithms.md, LVRL) on numbers: hand cases, the
 telescoping sum for any critic output, equal steps for a linear critic, the group-wide step std, the broadcast to
 each action's tokens, and the edge rows (no action, one action, zero-variance groups)."""
 
@@ -20,7 +20,7 @@ def mask(*lengths: int, width: int) -> torch.Tensor:
 
 
 def loop_credit(values: list[list[float]], rewards: list[float], group_size: int, lengths: list[int]) -> list[list[float]]:
-    """The spec's recursion by a plain loop: Ṽ_0 = R̄_G, Ṽ_T = R, Ā_t = Ṽ_{t+1} - Ṽ_t."""
+    """LVRL's recursion by a plain loop: Ṽ_0 = R̄_G, Ṽ_T = R, Ā_t = Ṽ_{t+1} - Ṽ_t."""
     out = []
     for b, (row, reward, length) in enumerate(zip(values, rewards, lengths)):
         group = rewards[b // group_size * group_size:(b // group_size + 1) * group_size]

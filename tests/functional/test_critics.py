@@ -1,5 +1,6 @@
 """BPCO's bounded value, length-adaptive λ and divergence clipping bounds, EasyPPO's variance weights and SAO's
-band mask (spec 000, "Changing what critics see" and "Stabilizing policy updates").
+band mask (BPCO: VAPO, arXiv 2504.05118, and DPPO, arXiv 2602.04879; EasyPPO: arXiv 2609.36802; SAO: Hou et al.
+2026, arXiv 2607.07508; docs/algorithms.md).
 
 Tolerances are in units of the unit roundoff of the dtype (2^-24 for float32, 2^-53 for float64), with the count
 of roundings each formula takes stated where it is used.
@@ -60,7 +61,7 @@ def test_hand_values_of_the_docstring():
 def test_clamped_to_zero_below_one_over_alpha_and_at_zero_length(alpha):
     short = [L for L in range(0, 40) if L < 1 / alpha]
     lam = length_adaptive_lambda(torch.tensor(short), alpha)
-    assert torch.equal(lam, torch.zeros(len(short)))  # the spec's formula is < 0 (or -inf at L = 0) there
+    assert torch.equal(lam, torch.zeros(len(short)))  # the unclamped 1 - 1/(αL) is < 0 (or -inf at L = 0) there
 
 
 def test_in_unit_interval_and_finite():
@@ -98,7 +99,7 @@ def test_bounds_of_the_docstring_and_inactive_lower_bound():
     low, high = divergence_clip_bounds(torch.log(torch.tensor([0.5, 0.05])), eps=0.1)
     assert low.tolist() == pytest.approx([0.8, -1.0], rel=8 * U32)
     assert high.tolist() == pytest.approx([1.2, 3.0], rel=8 * U32)
-    assert low[1] < 0  # p < ε: the lower bound is inactive (NOTES §12)
+    assert low[1] < 0  # p < ε: the lower bound 1 - ε/p is negative, so inactive
 
 
 def test_inside_iff_the_absolute_probability_change_is_at_most_eps():
@@ -142,7 +143,7 @@ def test_easyppo_reference_case(dtype):
 
 
 def test_floor_is_on_var_to_the_beta_at_reference_beta():
-    # The reference's form 1 / max(Var^β, w_min), β = 0.5, w_min = 0.25 (its shipped setting; NOTES §20).
+    # The reference's form 1 / max(Var^β, w_min), β = 0.5, w_min = 0.25 (its shipped setting; docs/algorithms.md).
     # Groups of 4:
     #   [0, 1, 0, 1]      Var = 0.25  σ = 0.5     -> 1/0.5 = 2
     #   [1, 1, 1, 1]      Var = 0     σ = 0       -> floored at 0.25 -> 4 (the largest weight)

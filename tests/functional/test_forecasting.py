@@ -1,4 +1,5 @@
-"""CoPE's forecasting pieces (spec 000, CoPE): success weights, (history, action chunk) pairs, the weighted NLL."""
+"""CoPE's forecasting pieces (no public paper: docs/algorithms.md, CoPE): success weights, (history, action chunk)
+pairs, the weighted NLL."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""FlashREINFORCE's Bernoulli KL and trajectory gate (spec 000, FlashREINFORCE), and the batch-centred
+"""FlashREINFORCE's Bernoulli KL and trajectory gate (Hu et al. 2026), and the batch-centred
 advantages with a precomputed (global) mean."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ U32, U64 = unit_roundoff(torch.float32), unit_roundoff(torch.float64)
 
 
 def _bkl(p: float, q: float) -> float:
-    """The spec's formula in float64 Python arithmetic."""
+    """FlashREINFORCE's formula in float64 Python arithmetic."""
     return p * LOG(p / q) + (1 - p) * LOG((1 - p) / (1 - q))
 
 
@@ -47,7 +47,7 @@ def test_hand_values(p, q):
     assert abs(d32.item() - exact) <= 8 * U32 * terms + U32 * exact
 
 
-def test_spec_example_of_the_docstring():
+def test_worked_example_of_the_docstring():
     d = bernoulli_kl(torch.log(torch.tensor([0.5])), torch.log(torch.tensor([0.25])))
     assert abs(d.item() - _bkl(0.5, 0.25)) <= 8 * U32 * _terms(0.5, 0.25) + U32 * _bkl(0.5, 0.25)  # as above
 

@@ -1,4 +1,5 @@
-"""Worked-example tests for ``rl_lightning.functional.losses`` (spec 003 §5 PPO, §6 GRPO; loss aggregation)."""
+"""Worked-example tests for ``rl_lightning.functional.losses`` (PPO: Schulman et al. 2017, arXiv 1707.06347, eq. 7;
+GRPO: Shao et al. 2024, arXiv 2402.03300, eq. 3; loss aggregation)."""
 
 from __future__ import annotations
 
@@ -26,20 +27,20 @@ MODES = ["seq_mean_token_mean", "token_mean", "seq_mean_token_sum", "token_sum"]
 @pytest.mark.parametrize(
     "rho,adv,expected",
     [
-        # spec: clip(1.5, 0.8, 1.2) = 1.2
+        # clip(1.5, 0.8, 1.2) = 1.2
         (1.5, +1.0, 1.2),   # min(1.5*1, 1.2*1) = 1.2      (clipped: no incentive to push ρ further up)
         (1.5, -1.0, -1.5),  # min(-1.5, -1.2) = -1.5       (unclipped: the pessimistic branch)
-        # spec: clip(0.6, 0.8, 1.2) = 0.8
+        # clip(0.6, 0.8, 1.2) = 0.8
         (0.6, -1.0, -0.8),  # min(-0.6, -0.8) = -0.8       (clipped)
         (0.6, +1.0, 0.6),   # min(0.6, 0.8) = 0.6          (unclipped)
-        # spec: clip(1.0, 0.8, 1.2) = 1.0
+        # clip(1.0, 0.8, 1.2) = 1.0
         (1.0, +1.0, 1.0),
         (1.0, -1.0, -1.0),
         (1.0, 2.5, 2.5),
         (1.5, 2.0, 2.4),    # min(3.0, 2.4)
     ],
 )
-def test_clipped_surrogate_spec_examples(rho, adv, expected):
+def test_clipped_surrogate_worked_examples(rho, adv, expected):
     out = clipped_surrogate(torch.tensor([rho]), torch.tensor([adv]), 0.2, 0.2)
     # float32 inputs (1 rounding each), 1 ± 0.2 and one product: gamma(4) of the value
     assert out.item() == pytest.approx(expected, rel=gamma(4))

@@ -1,4 +1,5 @@
-"""Worked examples for the REINFORCE family's math (spec 003 §1 PG, §2 REINFORCE + baseline, §3 RLOO)."""
+"""Worked examples for the REINFORCE family's math (PG and REINFORCE + baseline: Williams 1992; RLOO: Ahmadian et
+al. 2024, arXiv 2402.14740)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from rl_lightning.functional import (
 from tests.tolerances import log_softmax_tolerance, sum_tolerance
 
 
-def test_baseline_advantages_spec_example():
-    # spec §2: b = 0.6; R = 0.9 -> +0.3 (better than expected); R = 0.2 -> -0.4 (worse)
+def test_baseline_advantages_worked_example():
+    # REINFORCE + baseline: b = 0.6; R = 0.9 -> +0.3 (better than expected); R = 0.2 -> -0.4 (worse)
     adv = baseline_advantages(torch.tensor([0.9, 0.2]), 0.6)
     torch.testing.assert_close(adv, torch.tensor([0.3, -0.4]))
 
@@ -47,7 +48,7 @@ def test_policy_gradient_loss_is_reward_times_token_sum_averaged_over_responses(
 
 
 def test_policy_gradient_logit_gradient_is_minus_reward_times_onehot_minus_softmax():
-    # NOTES §1: for one position with logits z and sampled a, dL/dz = -R (e_a - softmax(z)); it sums to 0.
+    # For one position with logits z and sampled a, dL/dz = -R (e_a - softmax(z)); it sums to 0.
     z = torch.tensor([0.3, -1.2, 2.0, 0.0], requires_grad=True)
     a, reward = 2, 0.7
     logp = torch.log_softmax(z, -1)[a].reshape(1, 1)
@@ -73,7 +74,7 @@ def test_rloo_advantages_receive_no_gradient():
 
 
 def test_constant_baseline_leaves_the_expected_gradient_unchanged():
-    # NOTES §2: on an enumerable one-token policy, Σ_a π(a)(R(a) - b) ∇log π(a) is the same for b = 0 and 0.7.
+    # On an enumerable one-token policy, Σ_a π(a)(R(a) - b) ∇log π(a) is the same for b = 0 and 0.7.
     z = torch.tensor([0.5, -0.3, 0.1])
     rewards = torch.tensor([1.0, 0.2, 0.5])
 

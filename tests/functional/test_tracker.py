@@ -1,4 +1,4 @@
-"""SPO's tracker math (spec 000, SPO; reference choices in NOTES §8)."""
+"""SPO's tracker math (Xu & Ding 2025, arXiv 2509.13232; the reference code's choices: docs/algorithms.md, SPO)."""
 
 from __future__ import annotations
 

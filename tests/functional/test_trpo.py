@@ -1,6 +1,6 @@
 """TRPO's pure pieces as worked examples: CG solves SPD systems, the trust-region scale, the full-vocab KL, the
 Fisher-vector product of a single categorical, the importance-weighted surrogate, and the Gauss-Newton Fisher
-product equal to the double-backward one (spec 003, §4 TRPO)."""
+product equal to the double-backward one (TRPO: Schulman et al. 2015, arXiv 1502.05477, Appendix C)."""
 
 from __future__ import annotations
 

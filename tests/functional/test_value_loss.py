@@ -1,4 +1,4 @@
-"""Worked examples for PPO's value loss and explained variance (spec 003 §5)."""
+"""Worked examples for PPO's value loss and explained variance (Schulman et al. 2017, arXiv 1707.06347)."""
 
 from __future__ import annotations
 
