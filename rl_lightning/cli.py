@@ -312,6 +312,25 @@ class RLCLI(compat.CheckpointPathCLI):
         rank_zero_info("rl-lightning: " + "; ".join(parts))
 
 
+    def after_validate(self) -> None:
+        """One line: the held-out reward, on what, from which weights, and where the per-item outcomes are."""
+        metrics, data = self.trainer.callback_metrics, self.datamodule
+        if "val/reward" not in metrics:
+            rank_zero_info("rl-lightning: validate evaluated nothing (no held-out prompts, or limit_val_batches 0)")
+            return
+        config = self.config.get(str(self.subcommand), self.config)
+        source = config.get("ckpt_path") or f"the initial weights of {self.model.hparams.get('model_name_or_path')}"
+        count = len(data.heldout_prompts()) if hasattr(data, "heldout_prompts") else "the"
+        parts = [f"val/reward {float(metrics['val/reward']):.3f} on {count} held-out prompts "
+                 f"({getattr(data, 'eval_split', 'test')} split, greedy) from {source}"]
+        if self.trainer.log_dir:
+            items = Path(self.trainer.log_dir) / "eval_items.csv"
+            if items.is_file():
+                parts.append(f"per-item outcomes: {items.resolve()}")
+            parts.append(f"logs: {os.path.abspath(self.trainer.log_dir)}")
+        rank_zero_info("rl-lightning: " + "; ".join(parts))
+
+
 def _duration(seconds: float) -> str:
     minutes, secs = divmod(int(round(seconds)), 60)
     return f"{minutes}m{secs:02d}s" if minutes else f"{seconds:.1f}s"

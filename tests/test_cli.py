@@ -246,3 +246,20 @@ def test_the_private_names_compat_relies_on_still_exist(tmp_path):
     assert list(inspect.signature(ArgumentParser._apply_actions).parameters)[:4] == [
         "self", "cfg", "parent_key", "prev_cfg"]
     assert "self._parse_ckpt_path()" in inspect.getsource(LightningCLI.__init__)
+
+
+def test_validate_prints_its_result_and_writes_the_per_item_outcomes(tmp_path):
+    """`rl-lightning validate` printed nothing before: now one line with the reward, the count, the split, the
+    weights it evaluated and where the per-item outcomes are; the CSV holds one row per held-out prompt."""
+    proc = _cli("validate", "--config", str(REPO / "configs" / "grpo.yaml"), "--data.init_args.num_val_prompts", "12",
+                "--trainer.logger.init_args.save_dir", str(tmp_path), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.startswith("rl-lightning: val/reward")]
+    assert len(line) == 1, proc.stderr[-3000:]
+    assert "on 12 held-out prompts (test split, greedy) from the initial weights of embedded:arithmetic" in line[0]
+    items = tmp_path / "grpo" / "version_0" / "eval_items.csv"
+    assert f"per-item outcomes: {items.resolve()}" in line[0]
+    rows = items.read_text().splitlines()
+    assert rows[0] == "step,split,item,reward" and len(rows) == 13
+    reward = float(line[0].split("val/reward ")[1].split()[0])
+    assert reward == pytest.approx(sum(float(r.split(",")[3]) for r in rows[1:]) / 12, abs=5e-4)
