@@ -92,3 +92,11 @@ class Chatty(GRPO):
 @pytest.mark.parametrize("method", [m for m in METHODS if m.zero_advantage_rows_are_inert], ids=lambda m: m.__name__)
 def test_a_method_that_declares_zero_advantage_rows_inert_gives_them_zero_loss_and_gradient(method):
     check_inert_rows(CONFIGS[method.__name__])
+
+
+@pytest.mark.parametrize("config", ["dr_grpo.yaml", "dapo.yaml", "reinforce_pp_baseline.yaml"])
+def test_methods_that_are_configurations_keep_the_contract_too(config, tmp_path):
+    """Dr. GRPO and DAPO are GRPO configurations (DAPO with dynamic sampling and the overlong penalty, whose stream
+    position must resume exactly), REINFORCE++-baseline a second config of ReinforcePP: each is checked as shipped."""
+    report = check_method(REPO / "configs" / config, workdir=tmp_path)
+    assert report.learns and report.resumes and report.documented

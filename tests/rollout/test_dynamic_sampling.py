@@ -203,3 +203,48 @@ def test_shaping_adds_to_training_rewards_after_the_filter_chose_on_the_task_rew
     assert total == 0.0 and count == 16
     with pytest.raises(ValueError, match="max_new_tokens"):
         tiny_datamodule(reward_shapers=[OverlongPenalty(cache_tokens=5)])  # the budget is 4
+
+
+def test_multi_turn_episodes_are_filled_and_joined_with_their_turn_fields(tmp_path):
+    """Guess-the-number, up to 5 turns: rounds of episodes of different lengths are joined by RolloutBatch.concat
+    (turn_index, num_turns, turn_rewards, obs_mask, end states); the step trains on 4 x 4 rows whose fields agree,
+    and ``perf/sampled_tokens`` counts every round's model tokens."""
+    from rl_lightning.envs import GuessNumberTask
+    from rl_lightning.rollout import RolloutDataModule
+
+    class Rounds(GroupRollout):
+        def __init__(self) -> None:
+            super().__init__(max_turns=5, max_episode_tokens=32)
+            self.tokens: list[int] = []
+
+        def rollout(self, ctx, batch):  # noqa: ANN001, ANN201
+            out = super().rollout(ctx, batch)
+            if batch.split == "train":
+                self.tokens.append(int(out.loss_mask.sum()))
+            return out
+
+    seen: list[RolloutBatch] = []
+
+    class Keep(_Tokens):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+            seen.append(batch)
+
+    strategy, record = Rounds(), Keep()
+    data = RolloutDataModule(task=GuessNumberTask(), prompts_per_step=4, group_size=4, max_new_tokens=3,
+                             temperature=1.5, strategy=strategy, group_filter=RewardSpread(), max_rounds=3,
+                             val_batch_size=8, seed=0)
+    module = GRPO(model_name_or_path="embedded:guess")
+    tiny_trainer(tmp_path, max_steps=2, callbacks=[record]).fit(module, datamodule=data)
+    assert len(strategy.tokens) > 2  # some step drew more than one round
+    start = 0
+    for step, batch in enumerate(seen):
+        rounds = int(record.metrics[step]["train/sampling_rounds"])
+        assert batch.num_rows == 16 and batch.turn_index is not None and batch.num_turns is not None
+        assert record.metrics[step]["perf/sampled_tokens"] == sum(strategy.tokens[start:start + rounds])
+        start += rounds
+        for row in range(batch.num_rows):  # each row's turn fields still describe its own tokens
+            generated = batch.turn_index[row][batch.loss_mask[row].bool()]
+            assert int(generated.max()) + 1 == int(batch.num_turns[row])
+            assert bool((batch.turn_index[row][~batch.loss_mask[row].bool()] == -1).all())
+        assert torch.allclose(torch.nan_to_num(batch.turn_rewards).sum(dim=1), batch.rewards)
