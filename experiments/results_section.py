@@ -24,7 +24,7 @@ STUDIES = (
     ("lag_mechanisms", "Off-policy and single-stream mechanisms on 2-digit addition: one ablation each"),
     ("methods_2026", "The methods papers compare against in 2026 (Dr. GRPO, DAPO, GSPO, CISPO, REINFORCE++), 2-digit addition"),
     ("reach", "Reach the target (multi-turn, distinct starting states): GRPO and TEMPO"),
-    ("running_sum", "Running sums written out (long responses): GRPO"),
+    ("running_sum", "Running sums written out (long responses): GRPO, and EasyPPO and BPCO with their ablations (in progress)"),
 )
 
 
