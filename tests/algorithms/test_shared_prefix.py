@@ -150,14 +150,16 @@ def _reference(module, batch: RolloutBatch, monkeypatch) -> list:  # noqa: ANN00
     return steps
 
 
-def _tolerance(plain: list, reference: list) -> list[float]:
-    """Per optimiser step: twice the plain path's largest distance to float64, plus 2^-24 of the largest entry."""
+def _tolerance(plain: list, reference: list, derived=None) -> list[float]:  # noqa: ANN001
+    """Per optimiser step: twice the plain path's largest distance to float64, plus 2^-24 of the largest entry, and
+    at least ``derived(scale)`` (the bound of two float32 orders of the same sum: the shared path's own rounding
+    need not be as small as the plain path's, measured 1.0e-5 against a plain error of 3.3e-6 with AVX2 kernels)."""
     tolerances = []
     for step_plain, step_ref in zip(plain, reference):
         scale = max(float(g.abs().max()) for g in step_ref if g is not None)
         assert scale > 0
         error = max(float((g.double() - r).abs().max()) for g, r in zip(step_plain, step_ref) if r is not None)
-        tolerance = 2 * error + 2.0**-24 * scale
+        tolerance = max(2 * error + 2.0**-24 * scale, derived(scale) if derived is not None else 0.0)
         assert tolerance < BUG_SCALE * scale, f"rounding {tolerance / scale:.1e} of max|grad| would hide a bug"
         tolerances.append(tolerance)
     return tolerances
@@ -184,7 +186,9 @@ def _compare(module, batch: RolloutBatch, monkeypatch) -> tuple[dict, dict]:  # 
         runs[share] = _update(module, batch, monkeypatch)
         counts[share] = counter.shared
     module.load_state_dict(state)
-    tolerances = _tolerance(runs[False][0], _reference(module, batch, monkeypatch))
+    config, length, terms = module.policy.config, batch.input_ids.shape[1], batch.input_ids.numel()
+    tolerances = _tolerance(runs[False][0], _reference(module, batch, monkeypatch),
+                            lambda scale: float(decoder_gradient_tolerance(config, length, terms, scale)))
     _assert_same_gradient(runs[True][0], runs[False][0], tolerances)
     return {k: v[1] for k, v in runs.items()}, counts
 
