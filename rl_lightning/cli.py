@@ -498,9 +498,9 @@ def cli_main(argv: list[str] | None = None) -> None:
     except Exception as exc:  # noqa: BLE001 -- re-raised unless it is a user error
         if traceback_wanted:
             raise
-        config_error = configuration_error(exc)
-        if isinstance(config_error, ConfigError):  # raised anywhere, a reward function's call included
-            _fail(str(config_error), 2, _section(exc))
+        root = configuration_error(exc)
+        if isinstance(root, ConfigError):  # raised anywhere, a reward function's call included
+            _fail(str(root), 2, _section(exc))
         failure = runtime_failure(exc)
         if failure is not None:
             where = getattr(failure, "failure_dir", None) or getattr(exc, "failure_dir", None)
@@ -508,7 +508,6 @@ def cli_main(argv: list[str] | None = None) -> None:
             at = f" at step {step}" if step is not None and f"step {step}" not in str(failure) else ""
             saved = f" -- the failed step is saved in {where}; re-run it with: rl-lightning replay {where}" if where else ""
             _fail(f"{type(failure).__name__}{at}: {failure}{saved}", 1)
-        root = configuration_error(exc)
         if root is not None:
             _fail(str(root), 2, _section(exc))
         line = lightning_refusal(exc) or missing_package(exc)

@@ -6,7 +6,7 @@ starting policy)::
 
     A_{i,t} = R_i - β Σ_{s >= t} KL_{i,s}                          (functional.kl_penalized_returns)
     Ã = (A - mean) / sqrt(var + eps)   over every generated token of the global batch
-                                                                  (functional.token_normalized_advantages)
+                                                 (functional.masked_whiten, moments summed over the ranks)
 
 then GRPO's clipped surrogate on ``Ã`` (PPO-clip, ``clip_eps_*``). The KL sits in the reward, not in the loss.
 ``baseline: group_mean`` is REINFORCE++-baseline (same paper): ``R_i`` minus its prompt group's mean reward
@@ -25,7 +25,7 @@ from typing_extensions import override
 from rl_lightning.algorithms.checks import check_settings
 from rl_lightning.algorithms.grpo import GRPO
 from rl_lightning.functional import (
-    group_advantages, kl_penalized_returns, token_moments, token_normalized_advantages,
+    group_advantages, kl_penalized_returns, masked_whiten, token_moments,
 )
 from rl_lightning.rollout.batch import RolloutBatch
 
@@ -80,7 +80,7 @@ class ReinforcePP(GRPO):
         self._reward_kl = kl.sum() / mask.sum().clamp(min=1)
         returns = kl_penalized_returns(rewards, old, ref, mask, self.kl_coef)
         moments = self.ranks.sum(token_moments(returns, mask))  # the global batch's sums
-        return token_normalized_advantages(returns, mask, moments, self.norm_eps)
+        return masked_whiten(returns, mask, self.norm_eps, moments=moments)
 
     @override
     def rollout_metrics(self, batch: RolloutBatch) -> dict[str, Tensor]:

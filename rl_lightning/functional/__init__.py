@@ -14,8 +14,6 @@ from rl_lightning.functional.advantages import (
     leave_one_out_advantages,
     outcome_gae,
     outcome_token_rewards,
-    token_moments,
-    token_normalized_advantages,
 )
 from rl_lightning.functional.credit import (
     anchored_credit,
@@ -66,7 +64,7 @@ from rl_lightning.functional.losses import (
     sequence_log_ratio,
     ValueLossStats,
 )
-from rl_lightning.functional.masked import masked_mean, masked_sum, masked_whiten
+from rl_lightning.functional.masked import masked_mean, masked_sum, masked_whiten, token_moments
 from rl_lightning.functional.shaping import overlong_penalty
 from rl_lightning.functional.tracker import (
     beta_tracker_update,
@@ -149,7 +147,6 @@ __all__ = [
     "group_advantages",
     "kl_penalized_returns",
     "token_moments",
-    "token_normalized_advantages",
     "importance_surrogate",
     "kl_estimate",
     "leave_one_out_advantages",

@@ -215,33 +215,3 @@ def kl_penalized_returns(rewards: Tensor, old_logprobs: Tensor, ref_logprobs: Te
     kl = (old_logprobs - ref_logprobs) * maskf
     to_go = kl.flip(-1).cumsum(-1).flip(-1)  # Σ_{s >= t} KL_s
     return (rewards.to(old_logprobs.dtype).unsqueeze(-1) - beta * to_go) * maskf
-
-
-def token_normalized_advantages(advantages: Tensor, mask: Tensor, moments: Tensor | None = None,
-                                eps: float = 1e-8) -> Tensor:
-    """REINFORCE++'s global normalisation (Hu 2025, arXiv 2501.03262, eq. 10): ``(A - mean) / sqrt(var + eps)``
-    with the mean and the population variance over every generated token of the batch; 0 off the mask.
-
-    ``moments`` = ``[Σ m A, Σ m A², Σ m]`` of the whole batch (summed over ranks under data parallelism); ``None``:
-    this batch's. A batch with no spread (or no token) gets 0, never NaN.
-
-    Example:
-        >>> token_normalized_advantages(torch.tensor([[1.0, 3.0], [2.0, 9.0]]), torch.tensor([[1, 1], [1, 0]]))
-        tensor([[-1.2247,  1.2247],
-                [ 0.0000,  0.0000]])
-    """
-    maskf = mask.to(advantages.dtype)
-    if moments is None:
-        moments = token_moments(advantages, mask)
-    count = moments[2].clamp(min=1.0)
-    mean = moments[0] / count
-    var = (moments[1] / count - mean * mean).clamp(min=0.0)
-    if float(moments[2]) == 0 or float(var) == 0.0:
-        return torch.zeros_like(advantages)
-    return (advantages - mean) * torch.rsqrt(var + eps) * maskf
-
-
-def token_moments(values: Tensor, mask: Tensor) -> Tensor:
-    """``[Σ m x, Σ m x², Σ m]`` over the masked tokens (the sums ``token_normalized_advantages`` reads)."""
-    maskf = mask.to(values.dtype)
-    return torch.stack([(values * maskf).sum(), (values * values * maskf).sum(), maskf.sum()])

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rl_lightning.algorithms import GRPO, ReinforcePP
-from rl_lightning.functional import kl_penalized_returns, token_moments, token_normalized_advantages
+from rl_lightning.functional import kl_penalized_returns, masked_whiten, token_moments
 from tests.conftest import tiny_datamodule, tiny_trainer
 from tests.tolerances import decoder_logprob_bound
 
@@ -30,13 +30,13 @@ def test_token_normalisation_is_over_every_token_with_the_population_variance():
     adv = torch.tensor([[1.0, 3.0], [2.0, 9.0]])
     mask = torch.tensor([[1, 1], [1, 0]])
     scale = 1 / math.sqrt(2 / 3)  # tokens 1, 3, 2: mean 2, population variance 2/3; the padded 9 is ignored
-    torch.testing.assert_close(token_normalized_advantages(adv, mask), torch.tensor([[-scale, scale], [0.0, 0.0]]))
+    torch.testing.assert_close(masked_whiten(adv, mask), torch.tensor([[-scale, scale], [0.0, 0.0]]))
     # the moments of two halves summed (two ranks) give the one-process result
     halves = token_moments(adv[:1], mask[:1]) + token_moments(adv[1:], mask[1:])
-    torch.testing.assert_close(token_normalized_advantages(adv[1:], mask[1:], halves), torch.tensor([[0.0, 0.0]]))
-    torch.testing.assert_close(token_normalized_advantages(adv[:1], mask[:1], halves), torch.tensor([[-scale, scale]]))
-    assert token_normalized_advantages(torch.ones(2, 2), mask).abs().sum() == 0  # no spread: 0, not NaN
-    assert token_normalized_advantages(adv, torch.zeros(2, 2)).abs().sum() == 0  # no token: 0
+    torch.testing.assert_close(masked_whiten(adv[1:], mask[1:], moments=halves), torch.tensor([[0.0, 0.0]]))
+    torch.testing.assert_close(masked_whiten(adv[:1], mask[:1], moments=halves), torch.tensor([[-scale, scale]]))
+    assert masked_whiten(torch.ones(2, 2), mask).abs().sum() == 0  # no spread: 0, not NaN
+    assert masked_whiten(adv, torch.zeros(2, 2)).abs().sum() == 0  # no token: 0
 
 
 def _batch(rewards: list[float], group_size: int) -> SimpleNamespace:
