@@ -199,7 +199,7 @@ class RolloutDataModule(LightningDataModule):
         self.group_filter, self.max_rounds = group_filter, max_rounds
         self.extra_draws = 0  # prompt draws beyond one per step so far (dynamic sampling's refills)
         self._extra_draws_at_step = 0  # ... when the current step's rollout began (what a mid-step checkpoint saves)
-        self._fill_metrics: dict[str, Tensor] = {}
+        self._step_metrics: dict[str, Tensor] = {}
         self.step_started: float | None = None  # perf_counter() when the running training step's rollout began
         self.reward_shapers = list(reward_shapers or [])
         for shaper in self.reward_shapers:
@@ -384,8 +384,8 @@ class RolloutDataModule(LightningDataModule):
     def _shaped(self, batch: RolloutBatch) -> RolloutBatch:
         """``batch`` with every ``reward_shapers`` term added to its rewards (their means kept for the step's log)."""
         terms = {shaper.metric: shaper.term(batch) for shaper in self.reward_shapers}
-        self._fill_metrics["train/task_reward"] = batch.rewards.float().mean()
-        self._fill_metrics.update({name: term.float().mean() for name, term in terms.items()})
+        self._step_metrics["train/task_reward"] = batch.rewards.float().mean()
+        self._step_metrics.update({name: term.float().mean() for name, term in terms.items()})
         return replace(batch, rewards=batch.rewards + sum(terms.values()))
 
     def _filled(self, engine: RolloutEngine, first: RolloutBatch, draw: int, device: torch.device) -> RolloutBatch:
@@ -400,17 +400,13 @@ class RolloutDataModule(LightningDataModule):
             rounds.append(self._counted(self.strategy.rollout(self.context(engine, more, device), more)))
             keeps.append(self.group_filter.keep(rounds[-1]).bool())
         self.extra_draws += len(rounds) - 1
-        parts = [r.select(group_rows(torch.nonzero(k == side).squeeze(1), g))
-                 for side in (True, False) for r, k in zip(rounds, keeps) if bool((k == side).any())]
-        joined = RolloutBatch.concat(parts, pad_id=self._pad_id())
-        rows = torch.cat([r.rewards for r in rounds])
-        groups = float(sum(k.numel() for k in keeps))
-        self._fill_metrics = {**self._fill_metrics, "train/prefilter_reward": rows.float().mean(),
+        keep = torch.cat(keeps)  # [groups of every round], in draw order
+        order = torch.cat([torch.nonzero(keep), torch.nonzero(~keep)]).squeeze(1)[:want]  # accepted ones first
+        self._step_metrics = {**self._step_metrics,
+                              "train/prefilter_reward": torch.cat([r.rewards for r in rounds]).float().mean(),
                               "train/sampling_rounds": torch.tensor(float(len(rounds))),
-                              "train/kept_group_fraction": torch.tensor(sum(float(k.sum()) for k in keeps) / groups)}
-        return replace(joined.select(torch.arange(want * g, device=joined.rewards.device)),
-                       env_errors=sum(r.env_errors for r in rounds), rollout_time=sum(r.rollout_time for r in rounds),
-                       reward_time=sum(r.reward_time for r in rounds))
+                              "train/kept_group_fraction": torch.tensor(float(keep.sum()) / keep.numel())}
+        return RolloutBatch.concat(rounds, pad_id=self._pad_id()).select(group_rows(order, g))
 
     def _fewest(self, count: int, device: torch.device) -> int:
         """The smallest ``count`` over the ranks (every rank calls it equally often: the rounds stay in step)."""
@@ -428,7 +424,7 @@ class RolloutDataModule(LightningDataModule):
     def take_rollout_metrics(self) -> dict[str, Tensor]:
         """The last training rollout's dynamic-sampling and shaping metrics (none without a ``group_filter`` or
         ``reward_shapers``), once."""
-        taken, self._fill_metrics = self._fill_metrics, {}
+        taken, self._step_metrics = self._step_metrics, {}
         return taken
 
     def _counted(self, batch: RolloutBatch) -> RolloutBatch:
