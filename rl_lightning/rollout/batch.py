@@ -296,8 +296,8 @@ class RolloutBatch:
 
         joined: dict[str, Any] = {"input_ids": torch.cat([sides(b, "input_ids", pad_id) for b in batches]),
                                   "attention_mask": torch.cat([sides(b, "attention_mask", 0) for b in batches])}
-        for name in _ROW_TENSORS[2:]:
-            if getattr(first, name) is None:
+        for name in _ROW_TENSORS:
+            if name in joined or getattr(first, name) is None:
                 continue
             values = [getattr(b, name) for b in batches]
             if name == "turn_rewards":
