@@ -13,6 +13,7 @@ runs in a training step.
 
 from __future__ import annotations
 
+import csv
 import os
 import subprocess
 import sys
@@ -32,7 +33,8 @@ from tests.conftest import REPO, RecordRollouts, tiny_datamodule, tiny_trainer
 #: configs/grpo.yaml cut to a few seconds a step: 16 prompts x 8 responses (the shared-prompt forward's
 #: shape), a small held-out set
 SHORT = [
-    "--config", str(REPO / "configs" / "grpo.yaml"), "--trainer.logger", "false",
+    "--config", str(REPO / "configs" / "grpo.yaml"),
+    "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", "logs",
     "--data.init_args.task.init_args.num_heldout", "16", "--data.init_args.val_batch_size", "16",
     "--trainer.enable_progress_bar", "false",
 ]
@@ -52,18 +54,49 @@ def _busy_cores(n: int = 2) -> Iterator[None]:
 
 def _fit(root: Path, *args: str) -> dict[str, torch.Tensor]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "2"}
+    root.mkdir(parents=True)
     proc = subprocess.run([sys.executable, "-m", "rl_lightning", "fit", *SHORT,
                            "--trainer.default_root_dir", str(root), *args],
-                          cwd=root.parent, env=env, capture_output=True, text=True, timeout=600)
+                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (ckpt,) = root.rglob("last.ckpt")
     return torch.load(ckpt, map_location="cpu", weights_only=False)["state_dict"]
 
 
-def _assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+def _logged(*roots: Path) -> dict[int, dict[str, str]]:
+    """The step-logged scalars of the runs under ``roots`` (a run and its resumption: each logs its own steps), as
+    the CSV logger wrote them (every float's digits; the timing columns left out)."""
+    rows: dict[int, dict[str, str]] = {}
+    for path in [p for root in roots for p in sorted(root.rglob("metrics.csv"))]:
+        with open(path, newline="") as f:
+            for row in csv.DictReader(f):
+                kept = {k: v for k, v in row.items() if v and k != "step" and not k.startswith(("perf/", "time/"))
+                        and "time" not in k}
+                rows.setdefault(int(row["step"]), {}).update(kept)
+    return rows
+
+
+def _first_divergence(a: list[Path], b: list[Path]) -> str:
+    """Where two runs' logged scalars first differ: a step's rollout (rewards, lengths) or only its update."""
+    la, lb = _logged(*a), _logged(*b)
+    for step in sorted(set(la) & set(lb)):
+        differ = {k: (la[step][k], lb[step].get(k)) for k in la[step] if k in lb[step] and la[step][k] != lb[step][k]}
+        if differ:
+            return f"first logged difference at step {step}: {differ}"
+    return f"no logged scalar differs (steps {sorted(set(la) & set(lb))})"
+
+
+def _assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], where: str = "") -> None:
     assert a.keys() == b.keys()
     differ = {k: float((a[k].double() - b[k].double()).abs().max()) for k in a if not torch.equal(a[k], b[k])}
-    assert not differ, f"{len(differ)} of {len(a)} tensors differ: {differ}"
+    assert not differ, f"{len(differ)} of {len(a)} tensors differ ({where}; {_machine()}): {differ}"
+
+
+def _machine() -> str:
+    """The CPU, the kernel set torch dispatches to and its threads (a failure names the setup it happened on)."""
+    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+                 "unknown CPU") if os.path.exists("/proc/cpuinfo") else "unknown CPU"
+    return f"{model}, {torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} cores"
 
 
 class _AccumulatingIndexOps(TorchDispatchMode):
@@ -113,7 +146,7 @@ def test_the_same_seed_gives_the_same_weights_with_two_threads_on_busy_cores(tmp
     with _busy_cores():
         first = _fit(tmp_path / "a", "--trainer.max_steps", "3")
         second = _fit(tmp_path / "b", "--trainer.max_steps", "3")
-    _assert_bitwise_equal(first, second)
+    _assert_bitwise_equal(first, second, _first_divergence([tmp_path / "a"], [tmp_path / "b"]))
 
 
 @pytest.mark.slow  # 3 CLI fits on busy cores, ~3 min; tests/test_contract.py checks resume bitwise for every method
@@ -123,4 +156,5 @@ def test_a_resumed_run_is_the_straight_run_bitwise(tmp_path):
         _fit(tmp_path / "first", "--trainer.max_steps", "2")
         (ckpt,) = (tmp_path / "first").rglob("last.ckpt")
         resumed = _fit(tmp_path / "resumed", "--trainer.max_steps", "4", "--ckpt_path", str(ckpt))
-    _assert_bitwise_equal(straight, resumed)
+    _assert_bitwise_equal(straight, resumed, _first_divergence([tmp_path / "straight"],
+                                                                 [tmp_path / "first", tmp_path / "resumed"]))
