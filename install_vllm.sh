@@ -29,5 +29,5 @@ if ! .venv-vllm/bin/python -c "import vllm" 2>/dev/null; then
     .venv-vllm/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
   fi
 fi
-"${PIP[@]}" -e ".[dev]"
+"${PIP[@]}" -e ".[dev,lora]"
 .venv-vllm/bin/python -c "import rl_lightning, torch, transformers, vllm; print(f'rl_lightning {rl_lightning.__version__} with vLLM {vllm.__version__} installed in .venv-vllm (torch {torch.__version__}, transformers {transformers.__version__})')"

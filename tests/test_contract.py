@@ -100,3 +100,12 @@ def test_methods_that_are_configurations_keep_the_contract_too(config, tmp_path)
     position must resume exactly), REINFORCE++-baseline a second config of ReinforcePP: each is checked as shipped."""
     report = check_method(REPO / "configs" / config, workdir=tmp_path)
     assert report.learns and report.resumes and report.documented
+
+
+@pytest.mark.parametrize("config", ["grpo.yaml", "reinforce_pp.yaml"])
+def test_lora_keeps_the_contract(config, tmp_path):
+    """configs/presets/lora.yaml stacked on a method (GRPO; REINFORCE++, whose KL reference is then the base under
+    the adapters): learns in 2 steps, resumes bit-identically from a checkpoint that holds the adapters only."""
+    report = check_method(REPO / "configs" / config, ["--config", str(REPO / "configs" / "presets" / "lora.yaml")],
+                          workdir=tmp_path)
+    assert report.learns and report.resumes and report.documented

@@ -12,7 +12,7 @@ non-finite values, step; ``after_update``; then the step's metrics (``metrics.py
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any
 
 import torch
@@ -38,6 +38,7 @@ from rl_lightning.algorithms.planning import (
     unforwarded, zero_advantage_rows,
 )
 from rl_lightning.functional import AggregationMode, aggregate
+from rl_lightning.models.adapters import LoraSettings, add_lora, omit_frozen_weights
 from rl_lightning.models.policy import DType, load_policy
 from rl_lightning.rollout.batch import RolloutBatch
 
@@ -61,6 +62,8 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
             each to the columns its rows use (``planning.micro_batches``, ``planning.trim_padding``).
         share_prompt_forward: run a prompt several rows share once, with gradient (``forward.shared_prompt_forward``;
             the same log-probs and gradient; off by itself where it cannot be exact).
+        lora: LoRA adapters on the policy (``models.adapters.LoraSettings``; ``configs/presets/lora.yaml``): only
+            they train, a KL reference is the base with them off (no second copy), checkpoints leave the base out.
     """
 
     #: settings whose parent-class checks this class replaces with its own (``checks.check_settings``)
@@ -92,7 +95,7 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
         num_iterations: int = 1, num_minibatches: int = 1, micro_batch_size: int | None = None,
         loss_aggregation: AggregationMode = "seq_mean_token_mean", max_grad_norm: float | None = 1.0,
         logprob_chunk_size: int = 256, seed: int = 0, skip_inert_rows: bool = True, length_bucketing: bool = True,
-        share_prompt_forward: bool = True, loss_norm_length: int | None = None,
+        share_prompt_forward: bool = True, loss_norm_length: int | None = None, lora: LoraSettings | None = None,
     ) -> None:
         super().__init__()
         flags = {"skip_inert_rows": skip_inert_rows, "length_bucketing": length_bucketing,
@@ -105,13 +108,17 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
             ("max_grad_norm", max_grad_norm, max_grad_norm is None or max_grad_norm > 0, "must be > 0 or null"),
             ("loss_norm_length", loss_norm_length, (loss_norm_length or 0) >= 1 or loss_aggregation != "seq_mean_token_sum_norm",
              "must be >= 1 with loss_aggregation seq_mean_token_sum_norm (the constant length normaliser)")])
-        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
+        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "lora"])
+        self.hparams["lora"] = asdict(lora) if lora is not None else None  # plain data in checkpoints
         self.optimizer_factory, self.lr_scheduler_factory = optimizer, lr_scheduler
         self.num_iterations, self.num_minibatches, self.micro_batch_size = num_iterations, num_minibatches, micro_batch_size
         self.loss_aggregation, self.max_grad_norm, self.logprob_chunk_size = loss_aggregation, max_grad_norm, logprob_chunk_size
         self.seed, self.skip_inert_rows, self.length_bucketing = seed, skip_inert_rows, length_bucketing
         self.share_prompt_forward, self.loss_norm_length = share_prompt_forward, loss_norm_length
         self.policy, self.tokenizer = load_policy(model_name_or_path, dtype)
+        if lora is not None:  # only the adapters train; checkpoints hold them, not the base (reloaded from its path)
+            self.policy = add_lora(self.policy, lora)
+            omit_frozen_weights(self, "policy")
         self.policy.train()  # from_pretrained returns eval mode; Lightning toggles modes from here on
         self.automatic_optimization = False
 
@@ -187,11 +194,11 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
 
     def parameter_groups(self) -> list[dict[str, Any]]:
         """Optimiser parameter groups: the policy (settings from ``optimizer``); methods add e.g. a critic group."""
-        return [{"params": list(self.policy.parameters())}]
+        return [{"params": [p for p in self.policy.parameters() if p.requires_grad]}]
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         """Parameters the optimiser steps (and whose gradient norm is clipped); methods with a critic add it."""
-        return list(self.policy.parameters())
+        return [p for p in self.policy.parameters() if p.requires_grad]
 
     # ================================================================== the step
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> None:

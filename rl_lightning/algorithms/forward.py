@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from rl_lightning.functional import sampling_logprobs, sampling_logprobs_at
+from rl_lightning.models.adapters import BaseModelView, has_adapters
 from rl_lightning.models.policy import load_policy
 from rl_lightning.rollout.batch import RolloutBatch
 from rl_lightning.rollout.episodes import left_pad
@@ -204,7 +205,10 @@ class LearnerForward:
     ``logprob_chunk_size``, ``share_prompt_forward``, ``share_prompt_min_tokens``, ``hparams``)."""
 
     def load_frozen_copy(self) -> nn.Module:
-        """A fresh, frozen copy of the *initial* policy (reloaded from ``model_name_or_path``), on this device."""
+        """A frozen copy of the *initial* policy, on this device: reloaded from ``model_name_or_path``; for a policy
+        with LoRA adapters, the base under them (``adapters.BaseModelView``: no second copy of the weights)."""
+        if has_adapters(self.policy):
+            return BaseModelView(self.policy)
         model, _ = load_policy(self.hparams.model_name_or_path, self.hparams.dtype)
         return model.requires_grad_(False).eval().to(self.device)
 

@@ -90,8 +90,10 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-def _linear(x: Tensor, layer: nn.Linear) -> Tensor:
-    return F.linear(x, layer.weight, layer.bias)
+def _linear(x: Tensor, layer: nn.Module) -> Tensor:
+    """A projection: a plain ``nn.Linear`` read directly; any other layer (a LoRA-adapted one) by its own forward,
+    so that what it adds is never skipped."""
+    return F.linear(x, layer.weight, layer.bias) if type(layer) is nn.Linear else layer(x)
 
 
 def _cache_tensors(cache: object, layer: int) -> tuple[Tensor, Tensor]:

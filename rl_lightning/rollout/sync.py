@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from rl_lightning.models.adapters import has_adapters, merged_state_dict
 from rl_lightning.models.sharding import full_state_dict, is_sharded, unsharded_copy
 from rl_lightning.rollout.engine import IN_PROCESS, RolloutEngine
 
@@ -36,8 +37,12 @@ def _sharded(policy: nn.Module) -> bool:
     return torch.distributed.is_available() and is_sharded(policy)
 
 
-def _weights(policy: nn.Module) -> Mapping[str, Tensor]:
-    """The learner's full weights: its state dict, gathered when it is sharded."""
+def _weights(policy: nn.Module, plain: bool = False) -> Mapping[str, Tensor]:
+    """The learner's full weights: its state dict, gathered when it is sharded; with ``plain``, LoRA adapters
+    merged under the base model's names (``adapters.merged_state_dict``: what an engine outside this process
+    loads, which knows nothing of adapters)."""
+    if plain and has_adapters(policy):
+        return merged_state_dict(policy)
     return full_state_dict(policy) if _sharded(policy) else policy.state_dict()
 
 
@@ -61,6 +66,11 @@ class SamplerSync:
         self._published: tuple[int, dict[str, Tensor]] | None = None
         self._kept: dict[str, Tensor] | None = None  # a lagged sampler's weights, for an engine that cannot read them
         self._lock = threading.Lock()
+
+    def _engine_weights(self, policy: nn.Module) -> Mapping[str, Tensor]:
+        """The learner's weights as the engine loads them: an in-process copy of the policy has its structure
+        (adapters included); any other engine takes plain weights (adapters merged)."""
+        return _weights(policy, plain=IN_PROCESS not in self.engine.capabilities)
 
     def _bindable(self, policy: nn.Module) -> bool:
         """Whether the engine can generate with ``policy`` itself (in process, not sharded)."""
@@ -96,7 +106,7 @@ class SamplerSync:
         if not self.ready:
             self.engine.setup(unsharded_copy(policy) if _sharded(policy) else policy, self.dtype, version)
             self.ready, self.synced_at = True, version
-            self._keep(_weights(policy))
+            self._keep(self._engine_weights(policy))
             if self._pending is not None:
                 self._load(self._pending["sampler"], self._pending["sampler_synced_at"])
                 self.synced_at, self._pending = self._pending["sampler_synced_at"], None
@@ -108,7 +118,7 @@ class SamplerSync:
             return self._view(policy)
         engine = self.start(policy, step)
         if step - self.synced_at >= self.interval:
-            self._load(_weights(policy), step)
+            self._load(self._engine_weights(policy), step)
             self.synced_at = step
         return engine
 
@@ -118,7 +128,7 @@ class SamplerSync:
             return self._view(policy)
         engine = self.start(policy, version)
         if engine.version != version:
-            self._load(_weights(policy), version)
+            self._load(self._engine_weights(policy), version)
             self.synced_at = version
         return engine
 
@@ -129,7 +139,7 @@ class SamplerSync:
     # ------------------------------------------------------------------ asynchronous rollouts
     def publish(self, policy: nn.Module, version: int) -> None:
         """Offer the learner's current weights (after ``version`` updates) to the producer (a snapshot)."""
-        state = {k: v.detach().clone() for k, v in _weights(policy).items()}
+        state = {k: v.detach().clone() for k, v in self._engine_weights(policy).items()}
         with self._lock:
             self._published = (version, state)
 

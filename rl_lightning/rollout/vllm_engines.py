@@ -42,6 +42,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from rl_lightning.models.adapters import has_adapters, merged_state_dict
 from rl_lightning.rollout.engine import SESSIONS, TOPK, EngineSession, RolloutEngine, SamplingParams, \
     check_capabilities
 from rl_lightning.rollout.generation import Generation
@@ -139,7 +140,8 @@ class _VLLMBase(RolloutEngine):
 
     def _model_dir(self, policy: nn.Module, dtype: str | None) -> Path:
         self._workdir = Path(tempfile.mkdtemp(prefix="rl_lightning_vllm_"))
-        return write_model_dir(policy, self._workdir / "model", _dtype_name(policy, dtype))
+        return write_model_dir(policy, self._workdir / "model", _dtype_name(policy, dtype),
+                               merged_state_dict(policy) if has_adapters(policy) else None)
 
     def _remove_workdir(self) -> None:
         if self._workdir is not None:
@@ -172,7 +174,7 @@ class VLLMEngine(_VLLMBase):
 
     def setup(self, policy: nn.Module, dtype: str | None = None, version: int = 0) -> None:
         if self.llm is not None:  # already running (a checkpoint was loaded): take the weights
-            self.load_weights(policy.state_dict(), version)
+            self.load_weights(merged_state_dict(policy), version)
             return
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -279,7 +281,7 @@ class VLLMServerEngine(_VLLMBase):
 
     def setup(self, policy: nn.Module, dtype: str | None = None, version: int = 0) -> None:
         if self.model_name is not None:  # running: take the weights
-            self.load_weights(policy.state_dict(), version)
+            self.load_weights(merged_state_dict(policy), version)
             return
         self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="vllm-request")
         if self.url is not None:
@@ -287,7 +289,7 @@ class VLLMServerEngine(_VLLMBase):
             if self.weights_dir is None:
                 self._workdir = Path(tempfile.mkdtemp(prefix="rl_lightning_vllm_"))
             self.model_name = _get_json(self.url + "/v1/models")["data"][0]["id"]
-            self.load_weights(policy.state_dict(), version)
+            self.load_weights(merged_state_dict(policy), version)
             return
         path = self._model_dir(policy, dtype)
         port = free_port()

@@ -136,6 +136,36 @@ def test_after_an_optimizer_step_and_a_sync_vllm_logprobs_equal_the_learners(tie
         engine.close()
 
 
+def test_lora_adapters_reach_vllm_merged_after_an_update_and_a_sync():
+    """A policy with LoRA adapters (configs/presets/lora.yaml) on vLLM, through ``SamplerSync``: vLLM knows nothing
+    of adapters, so it is set up from, and synced with, the merged weights. After an update of the adapters and a
+    sync, its log-probs are the adapted learner's within the float32 bound, and far from the base model's (the
+    weights without the adapters, which an engine that missed them would sample from)."""
+    from rl_lightning.models.adapters import LoraSettings, add_lora
+    from rl_lightning.rollout.sync import SamplerSync
+
+    torch.manual_seed(0)
+    policy = add_lora(load_policy("embedded:arithmetic")[0], LoraSettings(rank=4, alpha=8.0))
+    sync = SamplerSync(VLLMEngine())
+    engine = sync.for_step(policy, 0)
+    try:
+        optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-2)
+        for _ in range(3):  # B starts at 0: a few steps make the adapters matter
+            ids = torch.tensor([[1, 5, 6, 7, 8, 9, 2]])
+            policy(ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert sync.for_step(policy, 1) is engine and engine.version == 1
+        prompts = [[1, 5, 6, 7], [1, 8, 9, 10, 11]]
+        gen = engine.generate(prompts, SamplingParams(max_tokens=12, eos_token_id=2, pad_token_id=0, seed=5), n=4)
+        bound = decoder_logprob_bound(policy, 1.0, 5 + gen.response_ids.shape[1])
+        assert _max_logprob_error(policy, prompts, gen, 4, 1.0, 1.0) <= bound
+        base = load_policy("embedded:arithmetic")[0]
+        assert _max_logprob_error(base, prompts, gen, 4, 1.0, 1.0) > 100 * bound
+    finally:
+        engine.close()
+
+
 def test_a_multi_turn_guess_episode_through_vllm_has_exactly_the_conversations_tokens():
     policy, tok = load_policy("embedded:guess")
     engine = VLLMEngine()

@@ -1,0 +1,233 @@
+"""LoRA adapters on the policy, through ``peft`` (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language
+Models", arXiv 2106.09685): ``W x + (α / r) · B A x`` with ``A`` ``[r, in]`` and ``B`` ``[out, r]``, ``B = 0`` at the
+start, so the adapted model starts as the base model exactly.
+
+The adapters are injected into the Hugging Face model itself (``peft.inject_adapter_in_model``): the policy stays a
+``<Model>ForCausalLM`` with the same attributes (``config``, ``model.layers``, ``lm_head``), so every forward, the
+shared-prompt forward and the static decode loop run it unchanged, and only the adapter weights train. What the rest
+of the library needs from adapters is here:
+
+* ``add_lora`` -- inject, freeze the base, return the model;
+* ``has_adapters`` / ``adapters_disabled`` / ``BaseModelView`` -- the base model under the adapters, with no second
+  copy (the reference model of a KL penalty: ``RLModule.load_frozen_copy``);
+* ``merged_state_dict`` -- the base model's weights with every adapter merged in, under the base model's names (an
+  engine that takes plain weights, an export);
+* ``frozen_state_keys`` -- the state-dict entries a checkpoint can leave out (the base is reloaded from its path).
+
+``peft`` is an optional extra (``pip install -e ".[lora]"``); asking for adapters without it is one line.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from rl_lightning.functional.errors import ConfigError
+
+#: the projections of a Llama-family decoder layer (attention and MLP): LoRA's usual targets
+LLAMA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class LoraSettings:
+    """LoRA on the policy (``model.init_args.lora``; ``configs/presets/lora.yaml``).
+
+    Args:
+        rank: ``r``, the adapters' inner dimension.
+        alpha: ``α``; the update is scaled by ``α / r``.
+        dropout: dropout on the adapters' input in training (0: the learner computes what the sampler did; with
+            dropout the learner's log-probs are not the sampler's and the shared prompt forward is off).
+        target_modules: names of the linear layers that get adapters (a module matches when its name ends with one).
+    """
+
+    rank: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: list(LLAMA_PROJECTIONS))
+
+    def __post_init__(self) -> None:
+        problems = [(name, value, rule) for name, value, ok, rule in (
+            ("rank", self.rank, isinstance(self.rank, int) and self.rank >= 1, "must be an integer >= 1"),
+            ("alpha", self.alpha, self.alpha > 0, "must be > 0"),
+            ("dropout", self.dropout, 0 <= self.dropout < 1, "must be in [0, 1)"),
+            ("target_modules", self.target_modules, bool(self.target_modules), "must name at least one module"),
+        ) if not ok]
+        if problems:
+            name, value, rule = problems[0]
+            raise ConfigError(f"lora.{name}={value!r} {rule}")
+
+
+def _peft() -> Any:
+    try:
+        import peft
+    except ImportError:
+        raise ConfigError('lora needs the peft package: pip install -e ".[lora]" (or pip install peft)') from None
+    return peft
+
+
+def peft_config(settings: LoraSettings, base_model_name_or_path: str | None = None) -> Any:
+    """The ``peft.LoraConfig`` of ``settings`` (what an adapter export writes as ``adapter_config.json``)."""
+    return _peft().LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
+                              target_modules=list(settings.target_modules), bias="none", task_type="CAUSAL_LM",
+                              base_model_name_or_path=base_model_name_or_path)
+
+
+def add_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
+    """Inject LoRA adapters into ``model`` in place and freeze everything else; returns ``model``.
+
+    ``A`` is drawn from the global torch RNG (peft's Kaiming-uniform init), so a seeded run draws the same adapters;
+    ``B = 0``, so the adapted model computes what the base model computes until the first update.
+
+    Raises:
+        ConfigError: no module of ``model`` matches ``target_modules`` (named with the modules it has).
+    """
+    peft = _peft()
+    linear_names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
+    if not any(name in linear_names for name in settings.target_modules):
+        raise ConfigError(f"lora.target_modules={list(settings.target_modules)} matches no linear layer of the model "
+                          f"(its linear layers: {', '.join(linear_names)})")
+    model = peft.inject_adapter_in_model(peft_config(settings), model)
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_("lora_" in name)
+    model.lora_settings = asdict(settings)  # plain data on the model: an export reads it back
+    return model
+
+
+def _adapter_layers(model: nn.Module) -> list[nn.Module]:
+    if not hasattr(model, "lora_settings"):
+        return []
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+
+
+def has_adapters(model: nn.Module) -> bool:
+    """Whether ``model`` carries LoRA adapters (``add_lora``)."""
+    return bool(_adapter_layers(model))
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
+    """Run ``model`` as its base model inside the block (peft's ``enable_adapters(False)`` on every adapted layer;
+    restored on exit, also on an error)."""
+    layers = _adapter_layers(model)
+    before = [layer.disable_adapters for layer in layers]
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield model
+    finally:
+        for layer, disabled in zip(layers, before):
+            layer.enable_adapters(not disabled)
+
+
+class BaseModelView(nn.Module):
+    """The base model under ``model``'s adapters, as a module: its forward is ``model``'s with the adapters off.
+
+    It shares every weight with ``model`` (no copy: the memory of a second model is saved) and owns none: moving,
+    freezing or switching the view's mode leaves ``model`` as it is (the view is held outside the module tree, e.g.
+    by a KL callback, and Lightning must not toggle the learner through it). Attributes it does not have (``config``,
+    ``model``, ``lm_head``) are ``model``'s.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self._target = (model,)  # a tuple: not registered as a submodule
+        # the forward shows ``model.forward``'s signature (callers read its keywords, e.g. the cache's name)
+        @functools.wraps(model.forward)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            with adapters_disabled(model):
+                return model(*args, **kwargs)
+
+        self.forward = forward
+
+    @property
+    def target(self) -> nn.Module:
+        return self._target[0]
+
+    @property
+    def is_activation_checkpointing(self) -> bool:
+        return bool(getattr(self.target, "is_activation_checkpointing", False))
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._target[0], name)
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        return self.target.parameters(recurse)
+
+    def train(self, mode: bool = True) -> BaseModelView:
+        return self
+
+    def requires_grad_(self, requires_grad: bool = True) -> BaseModelView:
+        return self
+
+    def to(self, *args: Any, **kwargs: Any) -> BaseModelView:
+        return self
+
+
+@torch.no_grad()
+def merged_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """``model``'s weights with every adapter merged (``W + (α/r) B A``), under the base model's names; for a model
+    without adapters, its state dict. New tensors: ``model`` is not changed."""
+    layers = {name: m for name, m in model.named_modules() if m in set(_adapter_layers(model))}
+    if not layers:
+        return dict(model.state_dict())
+    merged: dict[str, Tensor] = {}
+    for key, value in model.state_dict().items():
+        if ".lora_" in key:
+            continue
+        owner, _, leaf = key.rpartition(".")
+        if owner.endswith(".base_layer") and owner[: -len(".base_layer")] in layers:
+            layer_name = owner[: -len(".base_layer")]
+            layer = layers[layer_name]
+            if leaf == "weight":
+                value = value.clone()
+                for adapter in layer.active_adapters:
+                    if adapter in layer.lora_A:
+                        value += layer.get_delta_weight(adapter).to(value.dtype)
+            key = f"{layer_name}.{leaf}"
+        merged[key] = value
+    return merged
+
+
+def adapter_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """The adapter weights of ``model`` only (what trains), under ``model``'s names."""
+    return {k: v for k, v in model.state_dict().items() if ".lora_" in k}
+
+
+def frozen_state_keys(model: nn.Module, prefix: str = "") -> set[str]:
+    """The state-dict keys (with ``prefix``) of ``model``'s frozen weights when it carries adapters -- what a
+    checkpoint may leave out, since the base is reloaded from its path; empty for a model without adapters."""
+    if not has_adapters(model):
+        return set()
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    return {prefix + k for k in model.state_dict() if k not in trainable}
+
+
+def omit_frozen_weights(owner: nn.Module, child: str) -> None:
+    """Keep ``owner.<child>``'s frozen base weights out of ``owner``'s state dict (a checkpoint holds the adapters,
+    and the optimiser state beside them), and let such a state dict load strictly: the missing base weights are
+    the ones ``owner`` already holds (reloaded from their path when it was built). Every other key is still
+    checked, so a checkpoint of another model is refused as before."""
+    prefix = child + "."
+
+    def drop(module: nn.Module, state: dict[str, Any], prefix_: str, metadata: Any) -> None:
+        for key in frozen_state_keys(getattr(module, child), prefix_ + prefix):
+            state.pop(key, None)
+
+    def fill(module: nn.Module, state: dict[str, Any], prefix_: str, *args: Any) -> None:
+        live = getattr(module, child).state_dict()
+        for key in frozen_state_keys(getattr(module, child), prefix_ + prefix):
+            state.setdefault(key, live[key[len(prefix_ + prefix):]])
+
+    owner.register_state_dict_post_hook(drop)
+    owner.register_load_state_dict_pre_hook(fill)

@@ -1,0 +1,164 @@
+"""LoRA adapters through peft (``models.adapters``, ``RLModule(lora=...)``, ``configs/presets/lora.yaml``): the policy
+starts as its base exactly, only the adapters train, the sampler generates with them (built-in engine, bound and
+lagged), the KL reference is the base with them off (no second copy), checkpoints hold the adapters only and resume
+bit-identically, and the merged weights are the adapted model's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rl_lightning import ConfigError
+from rl_lightning.algorithms import GRPO
+from rl_lightning.callbacks import KLRegularizer
+from rl_lightning.models.adapters import (
+    BaseModelView, LoraSettings, adapter_state_dict, add_lora, adapters_disabled, merged_state_dict,
+)
+from rl_lightning.models.policy import load_policy
+from tests.conftest import RecordRollouts, tiny_datamodule, tiny_trainer
+from tests.tolerances import decoder_logprob_bound, gamma, unit_roundoff
+
+LORA = LoraSettings(rank=4, alpha=8.0)
+
+
+def _module(**kwargs) -> GRPO:  # noqa: ANN003
+    torch.manual_seed(0)
+    return GRPO(model_name_or_path="embedded:arithmetic", lora=LORA,
+                optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2), **kwargs)
+
+
+class _KeepBatches(RecordRollouts):
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        self.batches.append(batch)
+
+
+def _perturb(model: torch.nn.Module) -> None:
+    """Nonzero B matrices (as after training), so that the adapters change what the model computes."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+def test_the_adapted_policy_starts_as_its_base_and_only_the_adapters_train():
+    module = _module()
+    base, _ = load_policy("embedded:arithmetic")
+    ids = torch.randint(3, 90, (3, 9), generator=torch.Generator().manual_seed(0))
+    # B = 0: the adapters add exact zeros, so the logits are the base model's bit for bit
+    assert torch.equal(module.policy(input_ids=ids).logits, base(input_ids=ids).logits)
+    trainable = [n for n, p in module.policy.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_" in n for n in trainable)
+    assert len(trainable) == 2 * 7 * 4  # A and B of 7 projections in each of 4 layers
+    (group,) = module.parameter_groups()
+    assert {id(p) for p in group["params"]} == {id(p) for p in module.trainable_parameters()}
+    assert sum(p.numel() for p in group["params"]) == sum(p.numel() for n, p in module.policy.named_parameters()
+                                                          if ".lora_" in n)
+
+
+def test_settings_are_checked_in_one_line():
+    with pytest.raises(ConfigError, match=r"lora.rank=0 must be an integer >= 1"):
+        LoraSettings(rank=0)
+    with pytest.raises(ConfigError, match=r"lora.dropout=1.0 must be in \[0, 1\)"):
+        LoraSettings(dropout=1.0)
+    model, _ = load_policy("embedded:arithmetic")
+    with pytest.raises(ConfigError, match=r"matches no linear layer of the model \(its linear layers: .*q_proj"):
+        add_lora(model, LoraSettings(target_modules=["query_key_value"]))
+
+
+def test_the_base_view_is_the_base_model_without_a_copy():
+    module = _module()
+    _perturb(module.policy)
+    base, _ = load_policy("embedded:arithmetic")
+    view = module.load_frozen_copy()
+    assert isinstance(view, BaseModelView) and list(view.named_parameters(recurse=True)) == []  # owns nothing
+    ids = torch.randint(3, 90, (2, 8), generator=torch.Generator().manual_seed(0))
+    adapted = module.policy(input_ids=ids).logits
+    assert torch.equal(view(input_ids=ids).logits, base(input_ids=ids).logits)  # same operations: bitwise
+    assert not torch.equal(adapted, base(input_ids=ids).logits)  # the adapters matter here
+    assert torch.equal(module.policy(input_ids=ids).logits, adapted)  # switched back on after the view's forward
+    view.eval().requires_grad_(False)  # the view's mode and grad flags are not the learner's
+    assert module.policy.training and any(p.requires_grad for p in module.policy.parameters())
+    with pytest.raises(RuntimeError, match="boom"), adapters_disabled(module.policy):
+        raise RuntimeError("boom")
+    assert torch.equal(module.policy(input_ids=ids).logits, adapted)  # restored after an error too
+
+
+def test_merged_weights_compute_what_the_adapted_model_computes():
+    """In float64 the adapted model (``W x + s B A x``) and the merged one (``(W + s B A) x``) differ by rounding
+    of order ``2^-53`` times the terms: 1e-9 is far above that and far below the effect of a wrong merge."""
+    module = _module()
+    _perturb(module.policy)
+    adapted = module.policy.double()
+    merged = merged_state_dict(adapted)  # merged in float64 too
+    base, _ = load_policy("embedded:arithmetic")
+    base = base.double()
+    assert set(merged) == set(base.state_dict())  # the base model's names, no adapter left
+    base.load_state_dict(merged)
+    ids = torch.randint(3, 90, (2, 8), generator=torch.Generator().manual_seed(0))
+    diff = (adapted(input_ids=ids).logits - base(input_ids=ids).logits).abs().max()
+    assert diff < 1e-9, diff
+    assert adapter_state_dict(module.policy) and all(".lora_" in k for k in adapter_state_dict(module.policy))
+
+
+def test_a_merged_weight_is_w_plus_scaled_b_a_within_float32_rounding():
+    module = _module()
+    _perturb(module.policy)
+    layer = module.policy.model.layers[0].self_attn.q_proj
+    w, a, b = layer.base_layer.weight.double(), layer.lora_A["default"].weight.double(), layer.lora_B["default"].weight.double()
+    scale = LORA.alpha / LORA.rank
+    exact = w + scale * b @ a
+    terms = w.abs() + scale * b.abs() @ a.abs()  # the magnitudes the float32 sum of r products and one add round
+    got = merged_state_dict(module.policy)["model.layers.0.self_attn.q_proj.weight"].double()
+    assert ((got - exact).abs() <= gamma(LORA.rank + 2) * terms + unit_roundoff()).all()
+
+
+def test_the_sampler_generates_with_the_adapters_after_updates_and_syncs(tmp_path):
+    """``train/sampler_logp_diff`` (sampler vs learner log-probs of the sampled tokens) within the float32 bound at
+    every step, after updates have made the adapters matter, for the engine bound to the policy and for a lagged
+    copy synced every 2 steps (steps 0 and 2 are right after a sync). The base model's log-probs are far outside
+    the bound (the negative control: a sampler that dropped the adapters would fail)."""
+    for interval, steps in ((1, 3), (2, 3)):
+        module, record = _module(), _KeepBatches()
+        dm = tiny_datamodule(sampler_sync_interval=interval)
+        tiny_trainer(tmp_path / f"i{interval}", max_steps=steps, callbacks=[record]).fit(module, datamodule=dm)
+        bound = decoder_logprob_bound(module.policy, 1.0, module.policy.config.max_position_embeddings)
+        synced = [s for s in range(steps) if s % interval == 0]
+        diffs = [record.metrics[s]["train/sampler_logp_diff"] for s in synced]
+        assert all(d <= bound for d in diffs), (interval, diffs, bound)
+        assert any(float(p.detach().abs().max()) > 0 for n, p in module.policy.named_parameters() if ".lora_B." in n)
+    batch = record.batches[-1]
+    with torch.no_grad():
+        adapted = module.token_logprobs(batch)[0]
+        base = module.token_logprobs(batch, model=module.load_frozen_copy())[0]
+    assert float(((adapted - base) * batch.loss_mask).abs().max()) > 100 * bound
+
+
+def test_kl_to_the_base_is_zero_at_the_start_and_needs_no_second_model(tmp_path):
+    module, record, kl = _module(), RecordRollouts(), KLRegularizer(beta=0.1)
+    tiny_trainer(tmp_path, max_steps=2, callbacks=[record, kl]).fit(module, datamodule=tiny_datamodule())
+    assert isinstance(kl.reference, BaseModelView) and kl.reference.target is module.policy
+    assert record.metrics[0]["train/kl"] == 0.0  # B = 0 before the first update: the same computation
+    assert record.metrics[1]["train/kl"] > 0.0
+
+
+def test_checkpoints_hold_the_adapters_only_and_resume_bit_identically(tmp_path):
+    straight = _module()
+    tiny_trainer(tmp_path / "a", max_steps=3).fit(straight, datamodule=tiny_datamodule())
+    first = _module()
+    trainer = tiny_trainer(tmp_path / "b", max_steps=2)
+    trainer.fit(first, datamodule=tiny_datamodule())
+    path = tmp_path / "b.ckpt"
+    trainer.save_checkpoint(path)
+    state = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+    assert state and all(".lora_" in k for k in state)  # no base weight in the file
+    assert state.keys() == {f"policy.{k}" for k in adapter_state_dict(first.policy)}
+    resumed = _module()
+    tiny_trainer(tmp_path / "c", max_steps=3).fit(resumed, datamodule=tiny_datamodule(), ckpt_path=str(path))
+    for (name, a), (_, b) in zip(straight.policy.named_parameters(), resumed.policy.named_parameters()):
+        assert torch.equal(a, b), name
