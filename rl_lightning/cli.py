@@ -55,6 +55,7 @@ from rl_lightning.callbacks.safety import (FailureDump, FinalCheckpoint, Gracefu
 from rl_lightning.cli_parser import ConfigParseError, Parser, class_switches
 from rl_lightning.functional.errors import ConfigError
 from rl_lightning.export import export_main
+from rl_lightning.generate import generate_main
 from rl_lightning.replay import replay_main
 from rl_lightning.rollout.datamodule import RolloutDataModule
 
@@ -484,6 +485,8 @@ def cli_main(argv: list[str] | None = None) -> None:
         raise SystemExit(replay_main(args[1:], build_cli))
     if args and args[0] == "export":
         raise SystemExit(export_main(args[1:], build_cli))
+    if args and args[0] == "generate":
+        raise SystemExit(generate_main(args[1:], build_cli))
     args = _negative_values(args)
     traceback_wanted = bool(os.environ.get("RL_LIGHTNING_TRACEBACK"))
     if argv is None:  # LightningCLI reads sys.argv itself (and warns when given both)

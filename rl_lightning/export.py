@@ -30,7 +30,7 @@ class ExportError(Exception):
     """A run that cannot be exported as asked (one line)."""
 
 
-def _locate(source: Path) -> tuple[Path, Path]:
+def locate_run(source: Path) -> tuple[Path, Path]:
     """``(run directory, checkpoint)`` of a run directory or of a checkpoint file inside one."""
     if source.is_dir():
         checkpoint = last_checkpoint_in(source)
@@ -50,7 +50,7 @@ def _locate(source: Path) -> tuple[Path, Path]:
 def export(source: str | Path, out: str | Path, build_cli: Callable[..., Any], adapters: bool = False) -> str:
     """Write the policy of ``source`` (a run directory or a checkpoint file in one) to ``out``; returns what was
     written, in words. Raises ``ExportError`` (or ``CheckpointError``) with one line."""
-    run_dir, checkpoint_path = _locate(Path(source))
+    run_dir, checkpoint_path = locate_run(Path(source))
     checkpoint = read_checkpoint(checkpoint_path)
     settings = yaml.safe_load((run_dir / "config.yaml").read_text())
     for key in ("ckpt_path", "weights_only"):  # arguments of `fit`, not of the run

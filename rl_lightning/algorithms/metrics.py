@@ -138,13 +138,15 @@ def learning_rates(optimizers: list[Any]) -> dict[str, Tensor]:
 def rollout_metrics(batch: Any) -> dict[str, Tensor]:
     """The fixed rollout metrics (docs/metrics.md: reward, spread, lengths, truncation) of a ``RolloutBatch``; for
     multi-turn episodes also ``train/num_turns`` and ``train/env_errors`` (the latter also for a single-turn batch in
-    which an environment failed an episode)."""
+    which an environment failed an episode); for a reward with named parts (``WeightedRewards``) each part's mean,
+    ``train/reward/<name>``."""
     rewards = batch.rewards.float()
     groups = rewards.view(-1, batch.group_size)
     episodes = {} if batch.num_turns is None else {"train/num_turns": batch.num_turns.float().mean()}
     if batch.num_turns is not None or batch.env_errors:
         episodes["train/env_errors"] = torch.tensor(float(batch.env_errors))
-    return {**episodes,
+    parts = {f"train/{key}": value.float().nanmean() for key, value in batch.extras.items() if key.startswith("reward/")}
+    return {**episodes, **parts,
             "train/reward": rewards.mean(),
             "train/reward_std": rewards.std(unbiased=False),
             # max == min, not std == 0: the std of a constant group of fractional rewards need not be exactly 0

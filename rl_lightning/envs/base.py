@@ -19,6 +19,11 @@ from rl_lightning.envs.rewards import (
 __all__ = ["ExactMatchReward", "Prompt", "RewardError", "RewardFunction", "Task", "checked_reward", "score"]
 
 
+#: a prompt's metadata key of its own chat messages (``[{"role", "content"}]``): with the data module's
+#: ``use_chat_template`` they are rendered in place of one user message holding the prompt's text
+MESSAGES = "messages"
+
+
 class Task(ABC):
     """A task: a seeded training stream of prompts, two fixed held-out splits, a default verifier, and the
     environment an episode on a prompt runs in (``make_env``; one answer scored by the verifier unless a task says
@@ -46,6 +51,11 @@ class Task(ABC):
     def default_reward(self) -> RewardFunction:
         """The verifier used when the data module is given no ``reward_fn``."""
         return ExactMatchReward()
+
+    def needs_chat_template(self) -> bool:
+        """Whether the prompts carry chat messages (``MESSAGES``) that only the chat template renders: the data
+        module then refuses ``use_chat_template: false`` in one line. Default: no."""
+        return False
 
     def episode_turns(self) -> int | None:
         """The most model turns an episode of this task takes: 1 with the default ``make_env`` (one answer);

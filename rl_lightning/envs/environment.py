@@ -21,7 +21,7 @@ import copy
 from abc import ABC, abstractmethod
 from typing import Any
 
-from rl_lightning.envs.rewards import Prompt, RewardError, RewardFunction, checked_reward, score
+from rl_lightning.envs.rewards import Prompt, RewardError, RewardFunction, checked_reward, score_parts
 
 StepResult = tuple[str, float, bool, bool, dict[str, Any]]
 
@@ -55,6 +55,10 @@ class Environment(ABC):
         vars(self).update(copy.deepcopy(state))
 
 
+#: the step info's key of a reward's named parts (``{name: value}``, summed over an episode's turns)
+REWARD_PARTS = "reward_parts"
+
+
 class SingleTurnEnv(Environment):
     """One prompt, one answer: the first observation is the prompt's text, the only step scores the answer.
 
@@ -71,7 +75,10 @@ class SingleTurnEnv(Environment):
         return self.prompt.text, {}
 
     def step(self, action: str) -> StepResult:
-        return "", score(self.reward_fn, self.prompt, action), True, False, {}
+        """Score ``action``; a reward function with named parts (``WeightedRewards``) also returns them in the
+        info (``reward_parts``), which the rollout logs as ``train/reward/<name>``."""
+        reward, parts = score_parts(self.reward_fn, self.prompt, action)
+        return "", reward, True, False, {REWARD_PARTS: parts} if parts else {}
 
     def snapshot(self) -> Any:
         return {}  # stateless: the prompt and the reward function never change

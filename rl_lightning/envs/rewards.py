@@ -8,9 +8,12 @@ from __future__ import annotations
 import hashlib
 import math
 import numbers
+import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
+
+from rl_lightning.functional.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,40 @@ class RewardFunction(ABC):
 
         Any real number will do: a Python ``int``/``float``/``bool``, a NumPy scalar, or a 0-dim tensor/array.
         """
+
+
+class WeightedRewards(RewardFunction):
+    """Several reward functions in one: the reward is ``Σ_k w_k r_k``; each ``r_k`` is also logged on its own as
+    ``train/reward/<name>`` (its mean over the step's responses, before weighting).
+
+    Args:
+        rewards: the reward functions by name, e.g. ``{correct: NumericAnswerReward, format: BoxedFormatReward}``
+            (names become metric names: letters, digits, ``_`` and ``-``).
+        weights: ``w_k`` by name; a name left out weighs 1.
+    """
+
+    def __init__(self, rewards: dict[str, RewardFunction], weights: dict[str, float] | None = None) -> None:
+        weights = dict(weights or {})
+        if not rewards:
+            raise ConfigError("WeightedRewards: rewards must name at least one reward function")
+        bad = [n for n in rewards if not re.fullmatch(r"[A-Za-z0-9_-]+", n)]
+        if bad:
+            raise ConfigError(f"WeightedRewards: reward names {bad} must be letters, digits, _ or - (metric names)")
+        unknown = sorted(set(weights) - set(rewards))
+        if unknown:
+            raise ConfigError(f"WeightedRewards: weights {unknown} name no reward (rewards: {sorted(rewards)})")
+        self.rewards, self.weights = dict(rewards), {n: float(weights.get(n, 1.0)) for n in rewards}
+
+    def parts(self, prompt: Prompt, response: str) -> dict[str, float]:
+        """Each reward function's value for ``response`` (checked like any reward), by name."""
+        return {name: score(fn, prompt, response) for name, fn in self.rewards.items()}
+
+    def combine(self, parts: dict[str, float]) -> float:
+        """The weighted sum of ``parts``."""
+        return sum(self.weights[name] * value for name, value in parts.items())
+
+    def __call__(self, prompt: Prompt, response: str) -> float:
+        return self.combine(self.parts(prompt, response))
 
 
 class ExactMatchReward(RewardFunction):
@@ -105,6 +142,16 @@ def score(reward_fn: RewardFunction, prompt: Prompt, response: str) -> float:
             f"reward function {_reward_name(reward_fn)} raised {type(err).__name__}: {err} {inputs}"
         ) from err
     return checked_reward(returned, f"reward function {_reward_name(reward_fn)}", inputs)
+
+
+def score_parts(reward_fn: RewardFunction, prompt: Prompt, response: str) -> tuple[float, dict[str, float]]:
+    """``(reward, parts)``: for a reward function with named parts (``parts`` and ``combine``, as
+    ``WeightedRewards``) its parts and their combination, scored once; for any other, ``score`` and no parts."""
+    if not (hasattr(reward_fn, "parts") and hasattr(reward_fn, "combine")):
+        return score(reward_fn, prompt, response), {}
+    parts = reward_fn.parts(prompt, response)
+    inputs = f"(prompt={prompt.text!r}, response={response!r})"
+    return checked_reward(reward_fn.combine(parts), f"reward function {_reward_name(reward_fn)}", inputs), parts
 
 
 def checked_reward(value: object, source: str, context: str) -> float:

@@ -15,6 +15,7 @@ from rl_lightning.functional.advantages import (
     outcome_gae,
     outcome_token_rewards,
 )
+from rl_lightning.functional.evaluation import pass_at_k
 from rl_lightning.functional.credit import (
     anchored_credit,
     group_step_normalized,
@@ -92,6 +93,7 @@ from rl_lightning.functional.trpo import (
 )
 
 __all__ = [
+    "pass_at_k",
     "accuracy_advantages",
     "branch_mean_targets",
     "macro_step_returns",

@@ -23,6 +23,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, IterableDataset
 
+from rl_lightning.functional.errors import ConfigError
 from rl_lightning.envs.base import Prompt, RewardFunction, Task
 from rl_lightning.models.policy import DType
 from rl_lightning.rollout.async_producer import Produced, RolloutProducer
@@ -178,6 +179,10 @@ class RolloutDataModule(LightningDataModule):
         self.eval_split = eval_split
         self.add_bos = add_bos
         self.use_chat_template = use_chat_template
+        if task.needs_chat_template() and not use_chat_template:
+            raise ConfigError(f"data.init_args.use_chat_template=false, but {type(task).__name__}'s prompts are chat "
+                              f"messages (a system prompt or a messages column) that only the chat template renders: "
+                              f"set data.init_args.use_chat_template true")
         self.seed = seed
         self.engine = engine if engine is not None else KVCacheEngine()
         self.strategy = strategy if strategy is not None else GroupRollout()
@@ -347,6 +352,20 @@ class RolloutDataModule(LightningDataModule):
         """The model that generates this step: the policy, or its copy (lagged: refreshed every
         ``sampler_sync_interval`` steps; in ``sampler_dtype``); ``None`` for an engine without a module."""
         return self.sync.model(self._learner()[0], self.cursor)
+
+    def sample(self, prompts: list[Prompt], n: int) -> RolloutBatch:
+        """``n`` scored responses to each of ``prompts`` (rows ``i*n .. i*n+n-1``) with the training sampling
+        settings and the learner's current weights, outside the training stream (the cursor does not move; seeded
+        by the data module's seed, a step of -1 and each prompt's position): pass@k evaluation and generation over
+        a file (``rl-lightning generate``)."""
+        if self.strategy.group_size is not None:
+            raise ConfigError(f"{type(self.strategy).__name__} decides the samples per prompt itself; sample() needs "
+                              f"the default strategy")
+        policy, _ = self._learner()
+        device = next(policy.parameters()).device
+        batch = PromptBatch("train", -1, list(range(len(prompts))), list(prompts))
+        context = replace(self.context(self.sync.current(policy, self._version()), batch, device), group_size=n)
+        return self.strategy.rollout(context, batch)
 
     def rollout(self, batch: PromptBatch) -> RolloutBatch:
         """Generate and score responses for ``batch`` on the policy's device."""

@@ -27,13 +27,16 @@ class PromptEncoder:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                   tokenize=False)
 
-    def first(self, texts: list[str]) -> list[list[int]]:
-        """The ids of each episode's first observation."""
+    def first(self, texts: list[str], messages: list[list[dict[str, str]] | None] | None = None) -> list[list[int]]:
+        """The ids of each episode's first observation; with the chat template, a prompt's own chat ``messages``
+        (a system prompt, earlier turns) are rendered in place of one user message holding its text."""
         tok = self.tokenizer
         rows: list[list[int]] = []
-        for text in texts:
+        for i, text in enumerate(texts):
+            own = messages[i] if messages is not None else None
             if self.use_chat_template:
-                rendered = self._template([{"role": "user", "content": text}], add_generation_prompt=True)
+                conversation = own if own else [{"role": "user", "content": text}]
+                rendered = self._template(conversation, add_generation_prompt=True)
                 ids = tok(rendered, add_special_tokens=False)["input_ids"]
             else:
                 ids = tok(text, add_special_tokens=False)["input_ids"]

@@ -23,8 +23,8 @@ from typing import Any, Callable, Literal
 import torch
 from torch import Tensor
 
-from rl_lightning.envs.base import Prompt, RewardError, RewardFunction, Task
-from rl_lightning.envs.environment import EnvError, Environment, env_step
+from rl_lightning.envs.base import MESSAGES, Prompt, RewardError, RewardFunction, Task
+from rl_lightning.envs.environment import REWARD_PARTS, EnvError, Environment, env_step
 from rl_lightning.rollout.batch import EndState, PromptBatch, RolloutBatch
 from rl_lightning.rollout.encoding import PromptEncoder
 from rl_lightning.rollout.engine import SESSIONS, RolloutEngine, SamplingParams
@@ -95,6 +95,7 @@ class _Episodes:
         self.env_terminated = [False] * len(prompts)  # the environment ended it (or failed it)
         self.final_ids: list[list[int]] = [[] for _ in prompts]  # the observation after an environment's truncation
         self.errors = 0
+        self.reward_parts: list[dict[str, float]] = [{} for _ in prompts]  # a reward's named parts, summed over turns
         self.pending: list[list[int]] = [[] for _ in prompts]  # ids of an unfinished turn a branch starts inside
 
     def step(self, row: int, action: str) -> tuple[str, bool]:
@@ -102,7 +103,7 @@ class _Episodes:
         self.actions[row].append(action)
         turn = len(self.actions[row]) - 1
         try:
-            obs, reward, terminated, truncated, _ = env_step(self.envs[row], action, self.prompts[row], turn)
+            obs, reward, terminated, truncated, info = env_step(self.envs[row], action, self.prompts[row], turn)
         except EnvError:
             if self.on_error == "raise":
                 raise
@@ -111,8 +112,17 @@ class _Episodes:
             self.env_terminated[row] = True
             return "", True
         self.turn_rewards[row].append(reward)
+        for name, value in info.get(REWARD_PARTS, {}).items():
+            self.reward_parts[row][name] = self.reward_parts[row].get(name, 0.0) + float(value)
         self.env_truncated[row], self.env_terminated[row] = truncated, terminated
         return obs, terminated or truncated
+
+    def part_extras(self, device: torch.device) -> dict[str, Tensor]:
+        """``reward/<name>`` ``[N]`` per named reward part any episode returned (NaN where one did not: a failed
+        episode), for ``RolloutBatch.extras``; empty when the reward has no parts."""
+        names = sorted({name for parts in self.reward_parts for name in parts})
+        return {f"reward/{name}": torch.tensor([parts.get(name, math.nan) for parts in self.reward_parts],
+                                               dtype=torch.float32, device=device) for name in names}
 
     def observation_ids(self, encoder: PromptEncoder, row: int, observation: str, closed: bool) -> list[int]:
         """The ids of episode ``row``'s next observation (after its last turn), remembered for the next."""
@@ -190,7 +200,7 @@ class GroupRollout(RolloutStrategy):
         tok = ctx.tokenizer
         t0 = time.perf_counter()
         episodes = _Episodes(ctx, prompts, seeds, self.env_errors)
-        rows = ctx.encoder.first(episodes.first)
+        rows = ctx.encoder.first(episodes.first, [p.metadata.get(MESSAGES) for p in prompts])
         prompt_ids, prompt_mask = left_pad(rows, tok.pad_token_id, ctx.device)
         params = self.turn_params(ctx)
         if self.max_turns > 1:
@@ -302,7 +312,8 @@ class GroupRollout(RolloutStrategy):
                 prompt_id=torch.tensor([p.uid for p in prompts], dtype=torch.long, device=device),
                 temperature=ctx.params.temperature, top_p=ctx.params.top_p, prompts=prompts, responses=responses,
                 rollout_time=rollout_time, reward_time=reward_time,
-                env_errors=episodes.errors if episodes is not None else 0, **extra)
+                env_errors=episodes.errors if episodes is not None else 0,
+                extras=episodes.part_extras(device) if episodes is not None else {}, **extra)
         return make
 
 
