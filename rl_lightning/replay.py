@@ -64,7 +64,7 @@ def replay(failure_dir: str | Path, build_cli: Callable[..., Any]) -> dict[str, 
     settings["trainer"].update(logger=False, enable_progress_bar=False, limit_val_batches=0,
                                enable_model_summary=False, max_steps=step + 1)
     cli = build_cli(settings, run=False, save_config=False)
-    if dump["where"] == "rollout":  # the reward function raised: score the saved responses again
+    if dump["where"] in ("rollout", "evaluation"):  # the reward function raised: score the saved responses again
         reward_fn = cli.datamodule.reward_fn
         for prompt, response in zip(batch.prompts, batch.responses):
             score(reward_fn, prompt, response)

@@ -392,6 +392,28 @@ def test_a_reward_function_that_raises_is_dumped_with_its_responses(tmp_path, mo
         replay(failure, build_cli)
 
 
+def test_a_reward_function_that_raises_in_the_step_0_evaluation_is_dumped_with_its_responses(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """The evaluation before any update scores the held-out prompts; a reward that raises there is dumped to
+    failures/eval_step_000000 with the evaluation's responses, the one-line error names it, and replay scores them
+    again (it was not dumped at all: no training step had started)."""
+    monkeypatch.chdir(tmp_path)
+    task = ArithmeticTask(num_digits=2, operations=["+"], num_heldout=16, seed=1234)
+    poison = task.heldout_prompts()[3].text
+    layer = _failing_config(tmp_path, reward={"class_path": "tests.helpers.failing.PoisonedReward",
+                                              "init_args": {"poison": [poison]}})
+    code, line = one_line_error(capsys, "fit", "--config", GRPO, "--config", str(layer), *tiny(4, val_every=2))
+    failure = tmp_path / "runs" / "grpo" / "version_0" / "failures" / "eval_step_000000"
+    assert code == 1
+    assert line.startswith("rl-lightning: error: RewardError at step 0: reward function PoisonedReward raised")
+    assert f"rl-lightning replay {failure}" in line
+    dump = torch.load(failure / "batch.pt", weights_only=False)
+    assert dump["where"] == "evaluation" and not (failure / "state.ckpt").exists()
+    assert poison in [p.text for p in dump["batch"].prompts] and dump["batch"].group_size == 1
+    with pytest.raises(Exception, match="cannot score"):
+        replay(failure, build_cli)
+
+
 def test_failure_snapshots_do_not_log_a_line_every_step(tmp_path, monkeypatch):
     """Lightning's ``dump_checkpoint`` without ``weights_only`` logs "`weights_only` was not set" each call (once
     a step for methods with several optimiser steps), which also broke the progress bar into stale lines."""

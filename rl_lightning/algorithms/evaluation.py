@@ -60,6 +60,7 @@ class HeldoutEvaluation(Callback):
 
     def __init__(self) -> None:
         self.last_step = -1  # the step of the last val/reward logged (-1: none yet)
+        self.evaluating = False  # in an evaluation outside Lightning's loop (one that raised: until the next setup)
         self.history: list[tuple[int, float]] = []
         self.items: dict[int, list[float]] = {}  # step -> each held-out item's reward (NaN: not evaluated)
         self._reward = MeanMetric()
@@ -69,6 +70,7 @@ class HeldoutEvaluation(Callback):
     # ------------------------------------------------------------------ Lightning's validation loop
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._reward = self._reward.to(pl_module.device)
+        self.evaluating = False
 
     def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:
@@ -123,10 +125,12 @@ class HeldoutEvaluation(Callback):
             if not first:
                 first.append(batch)
 
+        self.evaluating = True  # left set when the evaluation raises: the failure callbacks read it afterwards
         if isinstance(datamodule, RolloutDataModule):  # the data module's own evaluation, seeing its batches
             total, count = datamodule.evaluate(on_batch=keep_first)
         else:  # another data module: its sums only
             total, count = datamodule.evaluate()
+        self.evaluating = False
         sums = trainer.strategy.reduce(torch.tensor([total, float(count)], device=pl_module.device), reduce_op="sum")
         items = self._gather_items(trainer, pl_module)
         if float(sums[1]) == 0:

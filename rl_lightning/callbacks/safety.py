@@ -34,6 +34,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info
 
+from rl_lightning.algorithms.evaluation import HeldoutEvaluation
 from rl_lightning.callbacks import compat
 from rl_lightning.rollout.batch import RolloutBatch
 
@@ -273,6 +274,9 @@ class FailureDump(Callback):
       optimiser step of that rollout had run yet, else the snapshot taken after the previous step;
     * ``info.json``: step, error, and the replay command (``rl-lightning replay <dir>``).
 
+    A reward function that raises in a held-out evaluation (the step-0 one included) is dumped too, to
+    ``failures/eval_step_<k>/``: the evaluation's responses, which replay scores again (no state is needed).
+
     ``state.ckpt`` is also a valid ``--ckpt_path``: resuming from it redraws the failing step.
 
     Args:
@@ -334,19 +338,24 @@ class FailureDump(Callback):
         stopped = (KeyboardInterrupt, SystemExit, RunInterrupted, RunStopped)
         if isinstance(exception, stopped) or trainer.state.fn != "fit":
             return
-        batch = self._batch
-        where = "update"
+        evaluating = trainer.validating or any(isinstance(cb, HeldoutEvaluation) and cb.evaluating
+                                               for cb in trainer.callbacks)
+        batch = None if evaluating else self._batch
+        where = "evaluation" if evaluating else "update"
         if batch is None:
-            batch, where = failed_batch(exception), "rollout"
+            batch, where = failed_batch(exception), ("evaluation" if evaluating else "rollout")
         if batch is None:
-            return  # not inside a training step (setup, validation): nothing to replay
+            return  # not a step's rollout, update or evaluation (setup): nothing to replay
         step = trainer.global_step
         rank = trainer.global_rank
-        out = (Path(trainer.log_dir or trainer.default_root_dir) / FAILURE_DIRNAME / f"step_{step:06d}").resolve()
+        name = f"{'eval_' if evaluating else ''}step_{step:06d}"
+        out = (Path(trainer.log_dir or trainer.default_root_dir) / FAILURE_DIRNAME / name).resolve()
         out.mkdir(parents=True, exist_ok=True)
         suffix = "" if trainer.world_size == 1 else f".rank{rank}"
         state_note = None
-        if trainer.world_size == 1:
+        if evaluating:  # a held-out rollout: replaying it is scoring its responses again, no state needed
+            state_note = "a held-out evaluation's rollout: replay scores its responses again"
+        elif trainer.world_size == 1:
             if self._steps_in_batch == 0:
                 state = compat.dump_checkpoint(trainer)
             else:

@@ -230,8 +230,7 @@ class GroupRollout(RolloutStrategy):
                 if not done:  # a multi-turn environment cut after one turn: keep its next observation
                     final[row] = episodes.observation_ids(ctx.encoder, row, observation, not bool(gen.truncated[row]))
         except RewardError as err:  # keep the responses so the failure can be replayed (FailureDump)
-            if train:
-                err.rollout_batch = make(episodes.returns(), time.perf_counter() - t1)  # type: ignore[attr-defined]
+            err.rollout_batch = make(episodes.returns(), time.perf_counter() - t1)  # type: ignore[attr-defined]
             raise
         batch_out = make(episodes.returns(), time.perf_counter() - t1, episodes)
         # as in sample_episodes: the environment truncated it, or the turn limit ends an episode that goes on
