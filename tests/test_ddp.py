@@ -42,7 +42,7 @@ def _ddp(method: str, tmp_path_factory) -> tuple[str, Path]:  # noqa: ANN001
     return method, _RUNS[method]
 
 
-@pytest.fixture(scope="module", params=["grpo", "ppo-separate"])
+@pytest.fixture(scope="module", params=["grpo", "ppo-separate", "grpo-lora"])
 def ddp_run(request, tmp_path_factory) -> tuple[str, Path]:
     return _ddp(request.param, tmp_path_factory)
 
@@ -78,6 +78,15 @@ def test_ddp_ranks_step_with_the_same_averaged_gradient(ddp_run):
         assert max(float(g.abs().max()) for g in g0.values()) > 0, f"step {step}: zero gradient"
         for name in g0:
             assert torch.equal(g0[name], g1[name]), f"step {step}: ranks disagree on the gradient of {name}"
+
+
+def test_ddp_with_lora_synchronises_the_adapters_only(tmp_path_factory):
+    """Under DDP with LoRA adapters only the adapters have gradients (the frozen base takes no part in the
+    all-reduce); the two ranks agree on them (the parametrised checks above) at every step."""
+    _, out = _ddp("grpo-lora", tmp_path_factory)
+    for step in range(STEPS):
+        grads = _step(out, step, 0)["grads"]
+        assert grads and all(".lora_" in name for name in grads), sorted(grads)[:3]
 
 
 # ---------------------------------------------------------------------------- one process, whole batch

@@ -169,6 +169,13 @@ def main() -> None:
         module = GRPO(model_name_or_path="embedded:arithmetic", optimizer=optimizer, max_grad_norm=None)
         dump = Dump(out, GRPO_AGGREGATION)
         data = tiny_datamodule(prompts_per_step=4, reward_fn=GradedMatch())
+    elif method == "grpo-lora":  # LoRA adapters (configs/presets/lora.yaml): only they train and synchronise
+        from rl_lightning.models.adapters import LoraSettings
+
+        module = GRPO(model_name_or_path="embedded:arithmetic", optimizer=optimizer, max_grad_norm=None,
+                      lora=LoraSettings(rank=4, alpha=8.0))
+        dump = Dump(out)
+        data = tiny_datamodule(prompts_per_step=4, reward_fn=GradedMatch())
     elif method == "grpo-skip":  # rank 0: no row to forward; rank 1: up to 4 micro-batches of 2
         module = GRPO(model_name_or_path="embedded:arithmetic", optimizer=optimizer, max_grad_norm=None,
                       micro_batch_size=2)
