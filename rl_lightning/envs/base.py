@@ -9,6 +9,7 @@ from here too.
 
 from __future__ import annotations
 
+import random
 from abc import ABC, abstractmethod
 
 from rl_lightning.envs.environment import Environment, SingleTurnEnv
@@ -70,3 +71,27 @@ class Task(ABC):
         their own environment, built from the prompt (its metadata carries what the episode needs, e.g. a seed).
         """
         return SingleTurnEnv(prompt, reward_fn)
+
+
+class PromptListTask(Task):
+    """A task over fixed lists of prompts: ``_train`` is reshuffled every pass with ``seed`` (pass ``e`` in the
+    order of ``random.Random(seed * 1_000_003 + e)``), ``_heldout`` is the test split. Subclasses fill both
+    (``JsonlTask``, ``DatasetTask``)."""
+
+    def __init__(self, train: list[Prompt], heldout: list[Prompt], seed: int) -> None:
+        self._train, self._heldout, self.seed = train, heldout, seed
+        self._order: tuple[int, list[int]] = (-1, [])  # the permutation of the last pass asked for
+
+    def _permutation(self, epoch: int) -> list[int]:
+        if self._order[0] != epoch:
+            order = list(range(len(self._train)))
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+            self._order = (epoch, order)
+        return self._order[1]
+
+    def train_prompt(self, index: int) -> Prompt:
+        epoch, offset = divmod(index, len(self._train))
+        return self._train[self._permutation(epoch)[offset]]
+
+    def heldout_prompts(self) -> list[Prompt]:
+        return list(self._heldout)

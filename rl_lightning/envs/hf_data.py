@@ -20,7 +20,7 @@ import string
 from pathlib import Path
 from typing import Any
 
-from rl_lightning.envs.base import MESSAGES, Prompt, RewardFunction, Task
+from rl_lightning.envs.base import MESSAGES, Prompt, PromptListTask, RewardFunction
 from rl_lightning.envs.verifiers import MathVerifyReward
 from rl_lightning.functional.errors import ConfigError
 
@@ -54,7 +54,7 @@ def load_local_dataset(path: str | Path, split: str = "train") -> Any:
                       f"yourself, e.g. with datasets.load_dataset(...).save_to_disk(dir), then pass the local path)")
 
 
-class DatasetTask(Task):
+class DatasetTask(PromptListTask):
     """Prompts from a local dataset, reshuffled every pass with ``seed``; a held-out test split and an optional
     validation split, from files of their own or carved from the training file (see the module docstring).
 
@@ -80,8 +80,7 @@ class DatasetTask(Task):
             if value < 0:
                 raise ConfigError(f"DatasetTask: {name}={value} must be >= 0")
         self.prompt_column, self.answer_column, self.messages_column = prompt_column, answer_column, messages_column
-        self.template, self.system_prompt, self.seed, self.reward = template, system_prompt, seed, reward
-        self.split = split
+        self.template, self.system_prompt, self.reward, self.split = template, system_prompt, reward, split
         rows = self._prompts(train_path)
         order = list(range(len(rows)))
         random.Random(seed).shuffle(order)
@@ -90,12 +89,11 @@ class DatasetTask(Task):
             raise ConfigError(f"DatasetTask: holding out {carve} rows leaves no training row in {train_path} "
                               f"({len(rows)} rows)")
         cut = len(rows) - carve
-        self._train = [rows[i] for i in order[:cut]]
         rest = [rows[i] for i in order[cut:]]
         held = 0 if heldout_path else num_heldout
-        self._heldout = self._prompts(heldout_path) if heldout_path else rest[:held]
+        heldout = self._prompts(heldout_path) if heldout_path else rest[:held]
         self._validation = self._prompts(validation_path) if validation_path else rest[held:]
-        self._order: tuple[int, list[int]] = (-1, [])
+        super().__init__([rows[i] for i in order[:cut]], heldout, seed)
 
     def needs_chat_template(self) -> bool:
         """Whether the prompts carry chat messages (a messages column or a system prompt)."""
@@ -130,20 +128,6 @@ class DatasetTask(Task):
                         *(messages or [{"role": "user", "content": text}])]
         metadata = {MESSAGES: messages} if messages is not None else {}
         return Prompt(text, str(answer), metadata)
-
-    def _permutation(self, epoch: int) -> list[int]:
-        if self._order[0] != epoch:
-            order = list(range(len(self._train)))
-            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-            self._order = (epoch, order)
-        return self._order[1]
-
-    def train_prompt(self, index: int) -> Prompt:
-        epoch, offset = divmod(index, len(self._train))
-        return self._train[self._permutation(epoch)[offset]]
-
-    def heldout_prompts(self) -> list[Prompt]:
-        return list(self._heldout)
 
     def validation_prompts(self) -> list[Prompt]:
         if not self._validation:

@@ -6,7 +6,7 @@ import json
 import random
 from pathlib import Path
 
-from rl_lightning.envs.base import Prompt, Task
+from rl_lightning.envs.base import Prompt, PromptListTask
 
 
 class PromptFileError(ValueError):
@@ -55,7 +55,7 @@ def read_prompt_file(path: str | Path, require_answer: bool = True) -> list[Prom
     return prompts
 
 
-class JsonlTask(Task):
+class JsonlTask(PromptListTask):
     """Prompts from a JSONL file, reshuffled every pass with ``seed``; an optional held-out file.
 
     Args:
@@ -71,33 +71,16 @@ class JsonlTask(Task):
     ) -> None:
         if num_heldout < 0:
             raise ValueError(f"JsonlTask: num_heldout must be >= 0, got {num_heldout}")
-        self.seed = seed
         prompts = read_prompt_file(train_file)
         if heldout_file is not None:
-            self._train, self._heldout = prompts, read_prompt_file(heldout_file)
-        else:
-            if num_heldout >= len(prompts):
-                raise ValueError(
-                    f"JsonlTask: num_heldout={num_heldout} leaves no training prompt in {train_file} "
-                    f"({len(prompts)} lines)"
-                )
-            order = list(range(len(prompts)))
-            random.Random(seed).shuffle(order)
-            cut = len(prompts) - num_heldout
-            self._train = [prompts[i] for i in order[:cut]]
-            self._heldout = [prompts[i] for i in order[cut:]]
-        self._perm_cache: tuple[int, list[int]] = (-1, [])
-
-    def _permutation(self, epoch: int) -> list[int]:
-        if self._perm_cache[0] != epoch:
-            order = list(range(len(self._train)))
-            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-            self._perm_cache = (epoch, order)
-        return self._perm_cache[1]
-
-    def train_prompt(self, index: int) -> Prompt:
-        epoch, offset = divmod(index, len(self._train))
-        return self._train[self._permutation(epoch)[offset]]
-
-    def heldout_prompts(self) -> list[Prompt]:
-        return list(self._heldout)
+            super().__init__(prompts, read_prompt_file(heldout_file), seed)
+            return
+        if num_heldout >= len(prompts):
+            raise ValueError(
+                f"JsonlTask: num_heldout={num_heldout} leaves no training prompt in {train_file} "
+                f"({len(prompts)} lines)"
+            )
+        order = list(range(len(prompts)))
+        random.Random(seed).shuffle(order)
+        cut = len(prompts) - num_heldout
+        super().__init__([prompts[i] for i in order[:cut]], [prompts[i] for i in order[cut:]], seed)
