@@ -143,6 +143,8 @@ class ArithmeticWordTask(Task):
         num_heldout: size of the fixed held-out set (greedy accuracy on it is ``val/reward``).
         instruction: appended to every problem after a space (``""`` for none).
         seed: seeds the held-out split, its wording and the training stream.
+        num_validation: size of the validation split (settings are tuned on it): the next distinct triples of the
+            same draw, after the test split's (which is the same with or without it); never trained on.
     """
 
     def __init__(
@@ -153,6 +155,7 @@ class ArithmeticWordTask(Task):
         num_heldout: int = 200,
         instruction: str = "Answer with a number.",
         seed: int = 1234,
+        num_validation: int = 0,
     ) -> None:
         if min_operand < 0:
             raise ValueError(f"ArithmeticWordTask: min_operand must be >= 0, got {min_operand}")
@@ -166,27 +169,30 @@ class ArithmeticWordTask(Task):
         for op in self.operations:
             if op not in TEMPLATES:
                 raise ValueError(f"ArithmeticWordTask: unknown operation {op!r} (use '+' or '-')")
-        if num_heldout < 0:
-            raise ValueError(f"ArithmeticWordTask: num_heldout must be >= 0, got {num_heldout}")
+        if num_heldout < 0 or num_validation < 0:
+            raise ValueError(f"ArithmeticWordTask: num_heldout and num_validation must be >= 0, got {num_heldout} "
+                             f"and {num_validation}")
         self.min_operand, self.max_operand = min_operand, max_operand
         self.instruction = instruction
         self.seed = seed
         total = len(self._all_keys())
-        if num_heldout >= total:
+        if num_heldout + num_validation >= total:
             raise ValueError(
-                f"ArithmeticWordTask: num_heldout={num_heldout} must be below the {total} distinct problems of "
-                f"operands {min_operand}..{max_operand} with operations {self.operations}"
+                f"ArithmeticWordTask: num_heldout + num_validation = {num_heldout + num_validation} must be below "
+                f"the {total} distinct problems of operands {min_operand}..{max_operand} with operations "
+                f"{self.operations}"
             )
         rng = random.Random(f"{seed}:heldout")
         keys: list[tuple[int, str, int]] = []
         seen: set[tuple[int, str, int]] = set()
-        while len(keys) < num_heldout:
+        while len(keys) < num_heldout + num_validation:
             key = self._draw_key(rng)
             if key not in seen:
                 seen.add(key)
                 keys.append(key)
-        self._heldout_set = seen
-        self._heldout = [self._render(key, random.Random(f"{seed}:heldout-wording:{n}")) for n, key in enumerate(keys)]
+        self._heldout_set = seen  # test and validation: never drawn for training
+        rendered = [self._render(key, random.Random(f"{seed}:heldout-wording:{n}")) for n, key in enumerate(keys)]
+        self._heldout, self._validation = rendered[:num_heldout], rendered[num_heldout:]
 
     def _all_keys(self) -> set[tuple[int, str, int]]:
         """Every distinct problem triple (subtraction counted once per unordered pair)."""
@@ -252,6 +258,11 @@ class ArithmeticWordTask(Task):
 
     def heldout_prompts(self) -> list[Prompt]:
         return list(self._heldout)
+
+    def validation_prompts(self) -> list[Prompt]:
+        if not self._validation:
+            raise NotImplementedError("ArithmeticWordTask has no validation split (set num_validation)")
+        return list(self._validation)
 
     def default_reward(self) -> RewardFunction:
         return NumericAnswerReward()

@@ -91,6 +91,19 @@ def test_heldout_is_fixed_distinct_and_never_trained_on():
     assert task.heldout_prompts()[0].text != "mutated"  # a copy is returned
 
 
+def test_the_validation_split_follows_the_test_split_and_is_never_trained_on():
+    """num_validation takes the next distinct problems of the same draw: the test split is the one without it (so
+    configs' test sets do not move), the two share no problem, and training draws neither."""
+    plain = ArithmeticWordTask(min_operand=2, max_operand=12, num_heldout=40, seed=3)
+    task = ArithmeticWordTask(min_operand=2, max_operand=12, num_heldout=40, num_validation=30, seed=3)
+    assert task.heldout_prompts() == plain.heldout_prompts()
+    val_keys, test_keys = {_key(p) for p in task.validation_prompts()}, {_key(p) for p in task.heldout_prompts()}
+    assert len(val_keys) == 30 and not val_keys & test_keys
+    assert not {_key(task.train_prompt(i)) for i in range(5000)} & (val_keys | test_keys)
+    with pytest.raises(NotImplementedError, match="set num_validation"):
+        plain.validation_prompts()
+
+
 def test_heldout_prefix_is_not_sorted_by_operand():
     # the first few (what num_val_prompts keeps) should look like a random sample, not the smallest operands
     held = ArithmeticWordTask(num_heldout=200, seed=1234).heldout_prompts()[:8]
