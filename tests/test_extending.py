@@ -20,7 +20,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from rl_lightning.algorithms import LossTerm, PolicyOutput
 from rl_lightning.rollout import RolloutBatch
-from tests.conftest import REPO
+from tests.conftest import REPO, RecordRollouts
 
 DOC = REPO / "docs" / "extending.md"
 EXAMPLES = REPO / "docs" / "examples"
@@ -70,7 +70,8 @@ def test_the_page_shows_the_example_files_verbatim():
             titled[match.group(1)] = content
     assert set(titled) == {"docs/examples/dr_grpo.py", "docs/examples/dr_grpo.yaml", "docs/examples/steering.py",
                            "docs/examples/head_kl.py", "docs/examples/value_rows.py", "docs/examples/branching.py",
-                           "docs/examples/group_filters.py", "docs/examples/sequence_clip.py"}
+                           "docs/examples/group_filters.py", "docs/examples/sequence_clip.py",
+                           "docs/examples/reward_parts.py"}
     for path, content in titled.items():
         assert content == (REPO / path).read_text(), f"docs/extending.md is out of date with {path}"
     assert len((EXAMPLES / "dr_grpo.py").read_text().splitlines()) < 60
@@ -378,3 +379,34 @@ def test_the_sequence_level_example_equals_the_library_gspo():
     assert got[0][0].tolist() == pytest.approx([1.0, 1.0]) and got[1][1].abs().sum() == 0  # row 1 clipped
     grpo, _ = run(GRPO(model_name_or_path="embedded:random"))
     assert grpo[0, 0].item() == pytest.approx(1.2) and not math.isclose(grpo[0, 0].item(), got[0][0, 0].item())
+
+
+def test_the_reward_parts_example_logs_each_part_and_trains_on_their_combination(tmp_path):
+    """docs/examples/reward_parts.py: on hand responses, then in a 2-step fit where ``train/reward`` is the mean of
+    ``correct * (1 + 0.5 brief)`` and each part is logged (every value a multiple of 1/32: exact sums)."""
+    from rl_lightning.algorithms import GRPO
+    from rl_lightning.envs import Prompt, score_parts
+    from tests.conftest import RecordRollouts, tiny_datamodule, tiny_trainer
+
+    reward = _example("reward_parts").CorrectAndBrief(bonus=0.5, max_chars=2)
+    assert score_parts(reward, Prompt("1+1=", "2"), "2") == (1.5, {"correct": 1.0, "brief": 1.0})
+    assert score_parts(reward, Prompt("1+1=", "2"), "222") == (0.0, {"correct": 0.0, "brief": 0.0})
+    record = _KeepBatches()
+    tiny_trainer(tmp_path, max_steps=2, callbacks=[record]).fit(GRPO(model_name_or_path="embedded:arithmetic"),
+                                                              datamodule=tiny_datamodule(reward_fn=reward))
+    for metrics, batch in zip(record.metrics, record.batches):
+        correct, brief = batch.extras["reward/correct"], batch.extras["reward/brief"]
+        assert torch.equal(batch.rewards, correct * (1 + 0.5 * brief))
+        assert metrics["train/reward/correct"] == float(correct.mean())
+        assert metrics["train/reward/brief"] == float(brief.mean())
+
+
+class _KeepBatches(RecordRollouts):
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        self.batches.append(batch)
+
