@@ -29,8 +29,7 @@ PlannedStep = tuple[int, int, Tensor, list[Tensor]]
 
 
 #: the per-token ``RolloutBatch`` fields (second dimension ``T``) that ``trim_padding`` cuts with the response
-_TOKEN_FIELDS = ("loss_mask", "sampler_logprobs", "obs_mask", "ref_logprobs", "proximal_logprobs",
-                 "values", "returns", "turn_index",
+_TOKEN_FIELDS = ("loss_mask", "sampler_logprobs", "obs_mask", "ref_logprobs", "proximal_logprobs", "turn_index",
                  "topk_ids", "topk_logprobs", "aux_ids")
 
 

@@ -310,7 +310,7 @@ class FailureDump(Callback):
             self._snapshot = _to_cpu(compat.dump_checkpoint(trainer))
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        # a shallow copy: what the method attaches to the batch during the step (values, returns) is not kept
+        # a shallow copy: fields a LossTerm adds to the batch during the step (ref_logprobs, proximal_logprobs) are not kept
         self._batch = dataclasses.replace(batch) if isinstance(batch, RolloutBatch) else None
         self._rng = rng_state()
         self._steps_in_batch = 0

@@ -78,7 +78,7 @@ class EndState:
 # Per-row tensors whose first dimension is N, moved and sliced together. Optional ones may be None.
 _ROW_TENSORS = (
     "input_ids", "attention_mask", "loss_mask", "sampler_logprobs", "rewards", "prompt_index", "truncated",
-    "obs_mask", "ref_logprobs", "proximal_logprobs", "values", "returns", "topk_ids", "topk_logprobs", "aux_ids",
+    "obs_mask", "ref_logprobs", "proximal_logprobs", "topk_ids", "topk_logprobs", "aux_ids",
     "turn_index",
     "num_turns", "turn_rewards", "prompt_id", "terminated",
 )
@@ -107,8 +107,6 @@ class RolloutBatch:
         proximal_logprobs: ``[N, T]`` the learner's log-probs before this batch's update (the proximal policy of a
             decoupled objective, e.g. GRPO with truncated importance sampling), filled in by ``RLModule.update``
             for a method that declares ``needs_proximal_logprobs`` when the update takes several optimiser steps.
-        values, returns: ``[N, T]`` critic values at rollout time and their targets, filled in by methods with
-            a critic (PPO) when they compute advantages.
         topk_ids, topk_logprobs: ``[N, T, k]`` the sampler's top-k ids/log-probs (Score Centering), optional.
         aux_ids: ``[N, T, K]`` K auxiliary draws per position (StableReinforce), optional.
         turn_index: ``[N, T]`` the turn (0, 1, ...) of every model-generated token, -1 elsewhere (episodes).
@@ -144,8 +142,6 @@ class RolloutBatch:
     obs_mask: Tensor | None = None
     ref_logprobs: Tensor | None = None
     proximal_logprobs: Tensor | None = None
-    values: Tensor | None = None
-    returns: Tensor | None = None
     topk_ids: Tensor | None = None
     topk_logprobs: Tensor | None = None
     aux_ids: Tensor | None = None
@@ -167,7 +163,7 @@ class RolloutBatch:
             "attention_mask": (n, width), "loss_mask": (n, t), "sampler_logprobs": (n, t), "rewards": (n,),
             "prompt_index": (n,), "truncated": (n,), "obs_mask": (n, t), "ref_logprobs": (n, t),
             "proximal_logprobs": (n, t),
-            "values": (n, t), "returns": (n, t), "turn_index": (n, t), "num_turns": (n,), "prompt_id": (n,),
+            "turn_index": (n, t), "num_turns": (n,), "prompt_id": (n,),
             "terminated": (n,),
         }
         for name, shape in expect.items():
