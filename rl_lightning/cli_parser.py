@@ -291,7 +291,7 @@ def class_switches(args: list[str], final: dict[str, Any]) -> list[str]:
         if differ:
             lines.append(f"{path}: {first.rsplit('.', 1)[-1]} -> {cls.__name__} keeps the earlier class's "
                          f"{', '.join(differ)}; set them for {cls.__name__} if they are not meant "
-                         "(docs/extending.md#switching-a-class)")
+                         "(docs/extending_advanced.md#switching-a-class)")
     return lines
 
 

@@ -1,4 +1,4 @@
-"""A group filter and a reward shaper of one's own (docs/extending.md, "Which groups a step trains on")."""
+"""A group filter and a reward shaper of one's own (docs/extending_advanced.md, "Which groups a step trains on")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A reward with named parts of one's own (docs/extending.md, "A reward with named parts")."""
+"""A reward with named parts of one's own (docs/extending_advanced.md, "A reward with named parts")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Examples of the rollout extension points (docs/extending.md; tests/test_extending.py runs them).
+"""Examples of the rollout extension points (docs/extending_advanced.md; tests/test_extending.py runs them).
 
 * ``CountdownTask``: a multi-turn environment -- the model answers each observation ``"k:"`` with ``k - 1``;
   three turns, one point per right answer.
