@@ -60,6 +60,18 @@ class RecordRollouts(Callback):
         self.metrics.append({k: float(v) for k, v in trainer.callback_metrics.items()})
 
 
+class RecordBatches(RecordRollouts):
+    """``RecordRollouts`` that also keeps each step's whole ``RolloutBatch`` (``batches``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list[Any] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        self.batches.append(batch)
+
+
 @pytest.fixture
 def recorder() -> RecordRollouts:
     return RecordRollouts()

@@ -21,7 +21,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from rl_lightning.algorithms import LossTerm, PolicyOutput
 from rl_lightning.rollout import RolloutBatch
-from tests.conftest import REPO, RecordRollouts
+from tests.conftest import REPO, RecordBatches
 
 DOC = REPO / "docs" / "extending.md"
 ADVANCED = REPO / "docs" / "extending_advanced.md"
@@ -388,12 +388,12 @@ def test_the_reward_parts_example_logs_each_part_and_trains_on_their_combination
     ``correct * (1 + 0.5 brief)`` and each part is logged (every value a multiple of 1/32: exact sums)."""
     from rl_lightning.algorithms import GRPO
     from rl_lightning.envs import Prompt, score_parts
-    from tests.conftest import RecordRollouts, tiny_datamodule, tiny_trainer
+    from tests.conftest import tiny_datamodule, tiny_trainer
 
     reward = _example("reward_parts").CorrectAndBrief(bonus=0.5, max_chars=2)
     assert score_parts(reward, Prompt("1+1=", "2"), "2") == (1.5, {"correct": 1.0, "brief": 1.0})
     assert score_parts(reward, Prompt("1+1=", "2"), "222") == (0.0, {"correct": 0.0, "brief": 0.0})
-    record = _KeepBatches()
+    record = RecordBatches()
     tiny_trainer(tmp_path, max_steps=2, callbacks=[record]).fit(GRPO(model_name_or_path="embedded:arithmetic"),
                                                               datamodule=tiny_datamodule(reward_fn=reward))
     for metrics, batch in zip(record.metrics, record.batches):
@@ -403,20 +403,9 @@ def test_the_reward_parts_example_logs_each_part_and_trains_on_their_combination
         assert metrics["train/reward/brief"] == float(brief.mean())
 
 
-class _KeepBatches(RecordRollouts):
-    def __init__(self) -> None:
-        super().__init__()
-        self.batches: list = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        self.batches.append(batch)
-
-
 def test_the_one_page_path_stays_one_page():
     """extending.md: the eight hooks a method author needs (the rest under extending_advanced.md), under 400 lines."""
     text = DOC.read_text()
     table = [line for line in text.splitlines() if line.startswith("| `")]
     assert len(table) <= 8 and len(text.splitlines()) < 400
     assert "extending_advanced.md" in text
-

@@ -15,7 +15,7 @@ from rl_lightning.models.adapters import (
     BaseModelView, LoraSettings, adapter_state_dict, add_lora, adapters_disabled, merged_state_dict,
 )
 from rl_lightning.models.policy import load_policy
-from tests.conftest import RecordRollouts, tiny_datamodule, tiny_trainer
+from tests.conftest import RecordBatches, RecordRollouts, tiny_datamodule, tiny_trainer
 from tests.tolerances import decoder_logprob_bound, gamma, unit_roundoff
 
 LORA = LoraSettings(rank=4, alpha=8.0)
@@ -25,16 +25,6 @@ def _module(**kwargs) -> GRPO:  # noqa: ANN003
     torch.manual_seed(0)
     return GRPO(model_name_or_path="embedded:arithmetic", lora=LORA,
                 optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2), **kwargs)
-
-
-class _KeepBatches(RecordRollouts):
-    def __init__(self) -> None:
-        super().__init__()
-        self.batches: list = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        self.batches.append(batch)
 
 
 def _perturb(model: torch.nn.Module) -> None:
@@ -124,7 +114,7 @@ def test_the_sampler_generates_with_the_adapters_after_updates_and_syncs(tmp_pat
     copy synced every 2 steps (steps 0 and 2 are right after a sync). The base model's log-probs are far outside
     the bound (the negative control: a sampler that dropped the adapters would fail)."""
     for interval, steps in ((1, 3), (2, 3)):
-        module, record = _module(), _KeepBatches()
+        module, record = _module(), RecordBatches()
         dm = tiny_datamodule(sampler_sync_interval=interval)
         tiny_trainer(tmp_path / f"i{interval}", max_steps=steps, callbacks=[record]).fit(module, datamodule=dm)
         bound = decoder_logprob_bound(module.policy, 1.0, module.policy.config.max_position_embeddings)
