@@ -19,11 +19,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from rl_lightning.models.adapters import LoraSettings, adapter_state_dict, has_adapters, merged_state_dict, peft_config
 from rl_lightning.models.policy import load_policy, resolve_model_path
-from rl_lightning.runs import CheckpointError, last_checkpoint_in, read_checkpoint, run_dir_of
+from rl_lightning.runs import CheckpointError, last_checkpoint_in, read_checkpoint, run_dir_of, run_settings
 
 
 class ExportError(Exception):
@@ -47,16 +45,21 @@ def locate_run(source: Path) -> tuple[Path, Path]:
     return run_dir, checkpoint
 
 
+def rebuild(source: Path, build_cli: Callable[..., Any]) -> tuple[Any, Path, Path, dict[str, Any]]:
+    """``(cli, run directory, checkpoint path, checkpoint)`` of a run directory or a checkpoint file in one: the run
+    built from its ``config.yaml`` (no logger, no checkpoints, no callbacks) and its checkpoint, read."""
+    run_dir, checkpoint_path = locate_run(source)
+    checkpoint = read_checkpoint(checkpoint_path)
+    settings = run_settings(run_dir / "config.yaml", logger=False, enable_progress_bar=False,
+                            enable_checkpointing=False, callbacks=None)
+    return build_cli(settings, run=False, save_config=False), run_dir, checkpoint_path, checkpoint
+
+
 def export(source: str | Path, out: str | Path, build_cli: Callable[..., Any], adapters: bool = False) -> str:
     """Write the policy of ``source`` (a run directory or a checkpoint file in one) to ``out``; returns what was
     written, in words. Raises ``ExportError`` (or ``CheckpointError``) with one line."""
-    run_dir, checkpoint_path = locate_run(Path(source))
-    checkpoint = read_checkpoint(checkpoint_path)
-    settings = yaml.safe_load((run_dir / "config.yaml").read_text())
-    for key in ("ckpt_path", "weights_only"):  # arguments of `fit`, not of the run
-        settings.pop(key, None)
-    settings["trainer"].update(logger=False, enable_progress_bar=False, enable_checkpointing=False, callbacks=None)
-    module = build_cli(settings, run=False, save_config=False).model
+    cli, run_dir, checkpoint_path, checkpoint = rebuild(Path(source), build_cli)
+    module = cli.model
     module.load_state_dict(checkpoint["state_dict"])  # strict: a LoRA run's file holds the adapters only
     policy, tokenizer = module.policy, module.tokenizer
     out = Path(out)

@@ -20,15 +20,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from rl_lightning.envs.base import Prompt, RewardFunction
 from rl_lightning.envs.jsonl import PromptFileError, read_prompt_file
 from rl_lightning.export import ExportError, locate_run
 from rl_lightning.functional.errors import ConfigError
 from rl_lightning.functional.evaluation import pass_at_k
 from rl_lightning.rollout.batch import PromptBatch
-from rl_lightning.runs import CheckpointError, read_checkpoint
+from rl_lightning.runs import CheckpointError, read_checkpoint, run_settings
 
 
 class _ScoredIfAnswered(RewardFunction):
@@ -49,10 +47,7 @@ def _build(source: Path, build_cli: Callable[..., Any], overrides: dict[str, Any
     else:
         run_dir, checkpoint_path = locate_run(source)
         config, checkpoint = run_dir / "config.yaml", (checkpoint_path, read_checkpoint(checkpoint_path))
-    settings = yaml.safe_load(config.read_text())
-    for key in ("ckpt_path", "weights_only"):
-        settings.pop(key, None)
-    settings["trainer"].update(logger=False, enable_progress_bar=False, enable_checkpointing=False, callbacks=None)
+    settings = run_settings(config, logger=False, enable_progress_bar=False, enable_checkpointing=False, callbacks=None)
     settings["data"].setdefault("init_args", {}).update(overrides)
     cli = build_cli(settings, run=False, save_config=False)
     module, data = cli.model, cli.datamodule

@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from rl_lightning.runs import run_settings
 from rl_lightning.callbacks.safety import FailureDump, GracefulInterrupt, set_rng_state
 from rl_lightning.envs.base import score
 
@@ -58,11 +58,8 @@ def replay(failure_dir: str | Path, build_cli: Callable[..., Any]) -> dict[str, 
     if not config.is_file():
         raise FileNotFoundError(f"{failure_dir}: the run's configuration {config} is missing")
     step, batch = int(dump["step"]), dump["batch"]
-    settings = yaml.safe_load(config.read_text())
-    for key in ("ckpt_path", "weights_only"):  # arguments of `fit`, not of the run
-        settings.pop(key, None)
-    settings["trainer"].update(logger=False, enable_progress_bar=False, limit_val_batches=0,
-                               enable_model_summary=False, max_steps=step + 1)
+    settings = run_settings(config, logger=False, enable_progress_bar=False, limit_val_batches=0,
+                            enable_model_summary=False, max_steps=step + 1)
     cli = build_cli(settings, run=False, save_config=False)
     if dump["where"] in ("rollout", "evaluation"):  # the reward function raised: score the saved responses again
         reward_fn = cli.datamodule.reward_fn

@@ -179,3 +179,17 @@ def architecture_differences(saved: dict[str, Any], current: dict[str, torch.Ten
     if len(differ) > limit:
         differ = [*differ[:limit], f"and {len(differ) - limit} more"]
     return differ
+
+
+def run_settings(config: Path, **trainer: Any) -> dict[str, Any]:
+    """A run's saved ``config.yaml`` as settings to rebuild it outside ``fit`` (replay, export, generate): the
+    arguments of ``fit`` itself (``ckpt_path``, ``weights_only``) dropped and ``trainer`` merged into its trainer
+    settings (no logger, no checkpoints, ...)."""
+    import yaml
+
+    settings = yaml.safe_load(config.read_text())
+    for key in ("ckpt_path", "weights_only"):
+        settings.pop(key, None)
+    settings["trainer"].update(trainer)
+    return settings
+

@@ -178,7 +178,8 @@ class BaseModelView(nn.Module):
 def merged_state_dict(model: nn.Module) -> dict[str, Tensor]:
     """``model``'s weights with every adapter merged (``W + (α/r) B A``), under the base model's names; for a model
     without adapters, its state dict. New tensors: ``model`` is not changed."""
-    layers = {name: m for name, m in model.named_modules() if m in set(_adapter_layers(model))}
+    adapted = set(_adapter_layers(model))
+    layers = {name: m for name, m in model.named_modules() if m in adapted}
     if not layers:
         return dict(model.state_dict())
     merged: dict[str, Tensor] = {}
