@@ -270,6 +270,28 @@ def test_ddp_dynamic_sampling_keeps_the_ranks_in_step_with_equal_rows(tmp_path_f
         assert set(ranks[1]["prompt_index"][step]) <= drawn
 
 
+def test_ddp_dynamic_sampling_on_multi_turn_episodes_keeps_the_ranks_in_step(tmp_path_factory):
+    """Guess-the-number, up to 5 turns, where rank 0's filter keeps no group: both ranks draw all 3 rounds of
+    every step (no deadlock), train on 2 x 4 rows each and end with the same weights; the joined rows keep their
+    turn fields (each generated token's turn below the row's turn count, the prompt and observations at -1, the
+    turn rewards summing to the row's reward)."""
+    _, out = _ddp("grpo-dynamic-turns", tmp_path_factory)
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["params"] == ranks[1]["params"]
+    assert ranks[0]["metrics"]["train/sampling_rounds"] == ranks[1]["metrics"]["train/sampling_rounds"] == 3.0
+    assert ranks[0]["extra_draws"] == ranks[1]["extra_draws"] == 2 * STEPS
+    for step in range(STEPS):
+        for rank in (0, 1):
+            batch = _step(out, step, rank)["batch"]
+            assert batch["rewards"].numel() == 8
+            assert batch["num_turns"] is not None and int(batch["num_turns"].max()) > 1  # episodes, not single turns
+            for row in range(8):
+                generated = batch["turn_index"][row][batch["loss_mask"][row].bool()]
+                assert int(generated.max()) + 1 == int(batch["num_turns"][row])
+                assert bool((batch["turn_index"][row][~batch["loss_mask"][row].bool()] == -1).all())
+            assert torch.allclose(torch.nan_to_num(batch["turn_rewards"]).sum(dim=1), batch["rewards"])
+
+
 def test_spo_tracker_is_the_same_on_every_rank_and_holds_every_ranks_prompts(tmp_path_factory):
     """Each rank gathers all ranks' outcomes and applies them in rank order: one tracker, everywhere."""
     _, out = _ddp("spo", tmp_path_factory)

@@ -16,7 +16,8 @@ rank) with ``add_step_metrics``; ``rank{r}.json`` holds its logged value. ``grpo
 evaluation before and after every step (15 held-out prompts: 8 on rank 0, 7 on rank 1, in batches of 4), logged by a
 ``CSVLogger`` into ``OUT_DIR/run/version_0`` (``metrics.csv``, ``eval_items.csv``). ``grpo-dynamic`` is GRPO with
 dynamic sampling (``RewardSpread``, 3 rounds) where no group on rank 0 has a reward spread: both ranks must draw
-every round.
+every round. ``grpo-dynamic-turns`` is the same on guess-the-number episodes (up to 5 turns), where rank 0's filter
+rejects every group; its rank files also hold each step's turn fields.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from rl_lightning.algorithms import GRPO, PPO, SPO  # noqa: E402
 from rl_lightning.envs.base import Prompt, RewardFunction  # noqa: E402
-from rl_lightning.rollout import WeightedSampler  # noqa: E402
+from rl_lightning.rollout import RewardSpread, WeightedSampler  # noqa: E402
 from rl_lightning.rollout.batch import RolloutBatch  # noqa: E402
 from tests.conftest import tiny_datamodule  # noqa: E402
 
@@ -41,6 +42,7 @@ from tests.conftest import tiny_datamodule  # noqa: E402
 GRPO_AGGREGATION = ("seq_mean_token_mean", "token_mean")
 BATCH_TENSORS = ("input_ids", "attention_mask", "loss_mask", "sampler_logprobs", "rewards", "prompt_index",
                  "truncated")
+TURN_TENSORS = ("turn_index", "num_turns", "turn_rewards")
 
 
 class GradedMatch(RewardFunction):
@@ -54,6 +56,8 @@ class GradedMatch(RewardFunction):
 
 def batch_record(batch: RolloutBatch) -> dict[str, Any]:
     record: dict[str, Any] = {name: getattr(batch, name).detach().cpu().clone() for name in BATCH_TENSORS}
+    record.update({name: getattr(batch, name).detach().cpu().clone() for name in TURN_TENSORS
+                   if getattr(batch, name) is not None})
     record.update(prompt_length=batch.prompt_length, group_size=batch.group_size,
                   temperature=batch.temperature, top_p=batch.top_p)
     return record
@@ -66,6 +70,16 @@ class ConstantOnRankZero(GradedMatch):
         if torch.distributed.is_initialized() and torch.distributed.get_rank() == 0:
             return 0.5
         return super().__call__(prompt, response)
+
+
+class RejectOnRankZero(RewardSpread):
+    """``RewardSpread`` on every rank but 0, where no group is kept."""
+
+    def keep(self, batch: RolloutBatch) -> torch.Tensor:
+        kept = super().keep(batch)
+        if torch.distributed.is_initialized() and torch.distributed.get_rank() == 0:
+            return torch.zeros_like(kept)
+        return kept
 
 
 #: per rank, the ``(context, target)`` ids of the ``grpo-aux`` run's auxiliary rows; their loss is
@@ -193,12 +207,19 @@ def main() -> None:
         dump = Dump(out)
         data = tiny_datamodule(prompts_per_step=4, task=ArithmeticTask(num_heldout=15), val_batch_size=4)
     elif method == "grpo-dynamic":  # dynamic sampling: rank 0's groups never pass RewardSpread, rank 1's do
-        from rl_lightning.rollout import RewardSpread
-
         module = GRPO(model_name_or_path="embedded:arithmetic", optimizer=optimizer)
         dump = Dump(out)
         data = tiny_datamodule(prompts_per_step=4, reward_fn=ConstantOnRankZero(), group_filter=RewardSpread(),
                                max_rounds=3)
+    elif method == "grpo-dynamic-turns":  # the same on multi-turn episodes: rank 0 keeps no group
+        from rl_lightning.envs import GuessNumberTask
+        from rl_lightning.rollout import GroupRollout, RolloutDataModule
+
+        module = GRPO(model_name_or_path="embedded:guess", optimizer=optimizer)
+        dump = Dump(out)
+        data = RolloutDataModule(task=GuessNumberTask(), prompts_per_step=4, group_size=4, max_new_tokens=3,
+                                 temperature=1.5, strategy=GroupRollout(max_turns=5, max_episode_tokens=32),
+                                 group_filter=RejectOnRankZero(), max_rounds=3, val_batch_size=8, seed=0)
     elif method == "spo":  # a pool of 6 prompts, 4 per step: the ranks revisit each other's prompts
         module = SPO(model_name_or_path="embedded:arithmetic", optimizer=optimizer)
         dump = Dump(out)
