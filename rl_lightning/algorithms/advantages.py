@@ -9,8 +9,11 @@ micro-batch's columns (``cut``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from torch import Tensor
+
+from rl_lightning.algorithms.checks import check_hook_output
 
 
 @dataclass(frozen=True)
@@ -51,3 +54,14 @@ class Advantages:
         adv = self.advantages if self.advantages.shape[1] == 1 else self.advantages[:, :width]
         cut = (lambda t: None if t is None else t[:, :width])  # noqa: E731
         return replace(self, advantages=adv, values=cut(self.values), returns=cut(self.returns))
+
+
+def checked_advantages(owner: Any, value: Tensor | Advantages, shape: tuple[int, ...]) -> Advantages:
+    """``owner.compute_advantages``' output as a detached ``Advantages`` whose advantages are ``[N, 1]`` or
+    ``[N, T]`` (``shape``: the rollout batch's ``[N, T]``); any other shape is refused in one line naming the hook
+    (``checks.check_hook_output``)."""
+    adv = value if isinstance(value, Advantages) else Advantages(value)
+    n, t = shape
+    check_hook_output(owner, "compute_advantages", adv.advantages, [(n,), (n, 1), (n, t)],
+                      "[N] one per response or [N, T] one per token of the rollout batch")
+    return replace(adv, advantages=adv.advantages.detach().reshape(n, -1))

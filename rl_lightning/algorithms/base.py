@@ -1,18 +1,16 @@
-"""``RLModule``: what every method shares. A method subclasses it and overrides a few narrow hooks.
+"""``RLModule``: what every method shares; a method subclasses it and overrides a few narrow hooks.
 
-``training_step``, per ``RolloutBatch``: each ``LossTerm``'s ``prepare``; ``adv = compute_advantages(batch)`` (a
-tensor or an ``Advantages``); ``weights = loss_weights(batch)`` (over every rank); ``update``: ``before_update``,
-then per optimiser step of ``planning.plan_update`` and per micro-batch ``forward_policy``, ``policy_loss`` (by
-default ``-Σ w · policy_objective(ρ, A)``, ``ρ`` once) ``+ extra_losses + LossTerm``s, backward; clip, refuse
-non-finite values, step; ``after_update``; then the step's metrics (``metrics.py``). The learner forward is
-``forward.py``, the planning ``planning.py``, the collectives ``Ranks``, the held-out evaluation the
-``HeldoutEvaluation`` callback (``configure_callbacks``). ``global_step`` counts rollout batches.
+``training_step`` reads as the algorithm: the rollout batch, each ``LossTerm``'s ``prepare``, ``compute_advantages``,
+``loss_weights``, then ``update``: for each optimiser step of the ``planning.UpdatePlan`` and each of its
+micro-batches, ``forward_policy``, ``policy_loss`` (``-Σ w · policy_objective(ρ, A)``) ``+ extra_losses + LossTerm``s,
+backward; then clip, refuse non-finite values, step; last the step's metrics (``metrics.py``). The collectives are
+``Ranks``, the held-out evaluation the ``HeldoutEvaluation`` callback. ``global_step`` counts rollout batches.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -21,8 +19,8 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from rl_lightning.algorithms.advantages import Advantages
-from rl_lightning.algorithms.auxiliary import AuxiliaryRows, auxiliary_plan, run_auxiliary
+from rl_lightning.algorithms.advantages import Advantages, checked_advantages
+from rl_lightning.algorithms.auxiliary import AuxiliaryRows, run_auxiliary
 from rl_lightning.algorithms.checks import (
     NonFiniteLossError, check_finite, check_hook_output, check_settings, warn_misspelt_hooks,
 )
@@ -34,8 +32,7 @@ from rl_lightning.algorithms.metrics import (
 )
 from rl_lightning.algorithms.protocols import LossTerm
 from rl_lightning.algorithms.planning import (
-    check_rollout_settings, micro_batch, plan_update, prompt_blocks, require_data_setting, rollout_weights, skipped_rows,
-    unforwarded, zero_advantage_rows,
+    OptimizerStep, UpdatePlan, check_rollout_settings, require_data_setting, rollout_weights, zero_advantage_rows,
 )
 from rl_lightning.functional import AggregationMode, aggregate
 from rl_lightning.models.adapters import LoraSettings, add_lora, omit_frozen_weights
@@ -205,12 +202,7 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
         start, step = time.perf_counter(), self.global_step  # updates done before this rollout
         for term in self._loss_terms():
             batch = term.prepare(self, batch) if hasattr(term, "prepare") else batch
-        adv = self.compute_advantages(batch)
-        adv = adv if isinstance(adv, Advantages) else Advantages(adv)
-        n, t = batch.loss_mask.shape
-        check_hook_output(self, "compute_advantages", adv.advantages, [(n,), (n, 1), (n, t)],
-                          "[N] one per response or [N, T] one per token of the rollout batch")
-        adv = replace(adv, advantages=adv.advantages.detach().reshape(batch.num_rows, -1))  # [N, 1] or [N, T]
+        adv = checked_advantages(self, self.compute_advantages(batch), tuple(batch.loss_mask.shape))  # [N, 1] or [N, T]
         stats = self.update(batch, adv, self.loss_weights(batch))
         scheduler = self.lr_schedulers()
         if scheduler is not None:
@@ -219,45 +211,37 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
         self.log_training_metrics(metrics, step=step, batch_size=batch.num_rows, tokens=batch.loss_mask.sum())
 
     def update(self, batch: RolloutBatch, adv: Advantages, weights: Tensor) -> dict[str, list[Tensor]]:
-        """μ iterations x minibatches x micro-batches (``planning.plan_update``); the metrics of every step."""
+        """μ passes x minibatches optimiser steps of micro-batches (``planning.UpdatePlan``); every step's metrics."""
         before = self.before_update(batch, adv, weights)
-        optimizer, weights, terms = self.optimizers(), weights * self.num_minibatches, self._loss_terms()
-        skipped = skipped_rows(self, batch, adv, terms) if self.skip_inert_rows else None
-        plan = self._plan(batch, skipped)
-        aux = auxiliary_plan(self.auxiliary_rows(batch, adv), [step[1] for step in plan], self.num_minibatches,
-                             self.micro_batch_size, self.ranks.max)
-        if self.needs_proximal_logprobs and len(plan) > 1:
+        optimizer, terms, metrics = self.optimizers(), self._loss_terms(), UpdateMetrics()
+        if self.needs_proximal_logprobs and self.num_iterations * self.num_minibatches > 1:
             batch = with_proximal_logprobs(self.forward_policy, batch, self.micro_batch_size)
-        forwarded = torch.zeros(batch.num_rows, dtype=torch.bool, device=batch.loss_mask.device)
-        metrics = UpdateMetrics()
-        for done, (iteration, index, rows, micros) in enumerate(plan):
-            idle = unforwarded(rows, micros, batch.num_rows)
+        plan = UpdatePlan.build(self, batch, adv, weights * self.num_minibatches, terms)
+        for step in plan:
             optimizer.zero_grad()
-            for micro in micros:
-                forwarded[micro] = True
-                mb, mb_adv, mb_w = micro_batch(batch, micro, adv, weights, self.length_bucketing)
-                out = self.forward_policy(mb, with_entropy=done == 0 or self.needs_entropy,
-                                          with_hidden=self.needs_hidden, extra_ids=self.extra_logprob_ids(mb))
-                if done == 0:  # before any update: the learner vs the sampler that drew the tokens
-                    metrics.add_sampler_gap(mb, out)
-                loss, stats = self.policy_loss(mb, out, mb_adv, mb_w)
-                for term, term_stats in [*self.extra_losses(mb, out, mb_adv, mb_w),
-                                         *(t.loss_term(self, mb, out.logprobs, mb_w) for t in terms)]:
+            for mb in step:
+                out = self.forward_policy(mb.batch, with_entropy=step.first or self.needs_entropy,
+                                          with_hidden=self.needs_hidden, extra_ids=self.extra_logprob_ids(mb.batch))
+                if step.first:  # before any update: the learner vs the sampler that drew the tokens
+                    metrics.add_sampler_gap(mb.batch, out)
+                loss, stats = self.policy_loss(mb.batch, out, mb.adv, mb.weights)
+                for term, term_stats in [*self.extra_losses(mb.batch, out, mb.adv, mb.weights),
+                                         *(t.loss_term(self, mb.batch, out.logprobs, mb.weights) for t in terms)]:
                     loss, stats = loss + term, {**stats, **term_stats}
-                check_finite(loss.detach(), "loss", self.global_step, iteration, index)
+                check_finite(loss.detach(), "loss", self.global_step, step.iteration, step.index)
                 if loss.requires_grad:  # e.g. not while a callback has frozen every parameter
                     self.manual_backward(loss)
-                metrics.add_loss(loss, stats, mb.loss_mask.sum().float())
-            run_auxiliary(self, aux[done], metrics, iteration, index)
-            metrics.add_summed(self.inert_row_metrics(batch, idle, weights) if bool(idle.any()) else {})
+                metrics.add_loss(loss, stats, mb.batch.loss_mask.sum().float())
+            run_auxiliary(self, step.auxiliary, metrics, step.iteration, step.index)
+            metrics.add_summed(self.inert_row_metrics(plan.batch, step.idle, plan.weights) if bool(step.idle.any()) else {})
             metrics.end_optimizer_step()
-            self._optimizer_step(optimizer, metrics, iteration, index, last=done == len(plan) - 1)
-        self.forwarded_rows = forwarded
-        metrics.add("train/skipped_rows", skipped.float().mean() if skipped is not None else forwarded.new_zeros((), dtype=torch.float))
-        metrics.add("perf/optimizer_steps", forwarded.new_tensor(float(len(plan)), dtype=torch.float))
+            self._optimizer_step(optimizer, metrics, step)
+        self.forwarded_rows = plan.forwarded
+        metrics.add("train/skipped_rows", plan.skipped_fraction)
+        metrics.add("perf/optimizer_steps", plan.forwarded.new_tensor(float(len(plan)), dtype=torch.float))
         optimizer.zero_grad()
-        stats = metrics.finish(self.ranks.sum if self.ranks.world_size > 1 else None)
-        return {**before, **stats, **self.after_update(batch, adv)}
+        return {**before, **metrics.finish(self.ranks.sum if self.ranks.world_size > 1 else None),
+                **self.after_update(batch, adv)}
 
     # ================================================================== shared machinery
     @property
@@ -308,16 +292,10 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
     def _loss_terms(self) -> list[LossTerm]:
         return [cb for cb in self.trainer.callbacks if isinstance(cb, LossTerm)] if self._trainer else []
 
-    def _plan(self, batch: RolloutBatch, skipped: Tensor | None) -> list[tuple[int, int, Tensor, list[Tensor]]]:
-        bucket = self.length_bucketing and self.micro_batch_size and self.share_prompt_forward
-        return plan_update(batch, skipped, self.num_iterations, self.num_minibatches, self.micro_batch_size,
-                           self.length_bucketing, prompt_blocks(batch, self.policy) if bucket else None, self.seed,
-                           self.global_step, self.ranks.max, self.share_prompt_min_tokens, self.device)
-
-    def _optimizer_step(self, optimizer: Any, metrics: UpdateMetrics, iteration: int, index: int, last: bool) -> None:
+    def _optimizer_step(self, optimizer: Any, metrics: UpdateMetrics, step: OptimizerStep) -> None:
         params = [p for p in self.trainable_parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm or float("inf"))
         grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm  # FSDP: the global norm
-        check_finite(grad_norm, "gradient norm", self.global_step, iteration, index)
+        check_finite(grad_norm, "gradient norm", self.global_step, step.iteration, step.index)
         metrics.add("train/grad_norm", grad_norm)
-        (optimizer.step if last else optimizer.optimizer.step)()  # only the last is Lightning's: global_step counts batches
+        (optimizer.step if step.last else optimizer.optimizer.step)()  # only the last is Lightning's: global_step counts batches

@@ -42,7 +42,7 @@ from rl_lightning.algorithms.planning import prompt_blocks
 from rl_lightning.envs import Prompt, Task
 from rl_lightning.rollout import GroupRollout, KVCacheEngine, RolloutBatch, RolloutDataModule, sample
 from rl_lightning.rollout.generation import can_share_prompts, distinct_rows
-from tests.algorithms.test_skipping import _advantages, _Capture, _metric_tolerances, _off_policy
+from tests.algorithms.test_skipping import _advantages, _Capture, _metric_tolerances, _off_policy, _plan
 from tests.conftest import tiny_datamodule, tiny_trainer
 from tests.rollout.rollout_helpers import ScriptedLM, fake_trainer
 from tests.rollout.test_episodes import CountdownEnv, CountdownTask
@@ -273,7 +273,7 @@ def test_bucketing_keeps_a_prompts_rows_together_when_that_costs_less():
     # long shared prompts (12 real tokens): whole groups in a micro-batch save far more than the padding they add
     module = _module(GRPO, "llama", micro_batch_size=G)
     batch = _batch(len(module.tokenizer), prompt=12, prompts=[12, 12, 12, 12])
-    (_, _, _, micros), = module._plan(batch, None)
+    (_, _, _, micros), = _plan(module, batch)
     assert sorted(sorted(m.tolist()) for m in micros) == [list(range(g * G, (g + 1) * G)) for g in range(4)]
     # groups ordered by their longest response, each group's rows longest first
     assert [m.tolist() for m in micros][0] == [0, 2, 3, 1]
@@ -282,7 +282,7 @@ def test_bucketing_keeps_a_prompts_rows_together_when_that_costs_less():
         other = _module(GRPO, "llama", micro_batch_size=G)
         for key, value in change.items():
             setattr(other, key, value)
-        (_, _, _, micros), = other._plan(batch, None)
+        (_, _, _, micros), = _plan(other, batch)
         lengths = [LENGTHS[r] for m in micros for r in m.tolist()]
         assert lengths == sorted(lengths, reverse=True)
     # prompts that all differ: the plan is the one without sharing

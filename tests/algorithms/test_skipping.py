@@ -36,7 +36,8 @@ import torch
 from rl_lightning.algorithms import (
     CoPE, GRPO, PPO, REINFORCE, RLOO, SPO, Advantages, FlashREINFORCE, PolicyGradient, TRPO,
 )
-from rl_lightning.algorithms.planning import minibatch_rows, trim_padding
+from rl_lightning.algorithms.advantages import Advantages
+from rl_lightning.algorithms.planning import UpdatePlan, minibatch_rows, trim_padding
 from rl_lightning.callbacks import KLRegularizer
 from rl_lightning.envs.base import Prompt, RewardFunction
 from rl_lightning.rollout import RolloutBatch
@@ -397,10 +398,18 @@ def test_length_bucketing_slices_per_token_advantages_ppo(monkeypatch, critic):
         _assert_same_gradient(got, runs[0][0], module, batch)
 
 
+def _plan(module, batch: RolloutBatch) -> list[tuple[int, int, torch.Tensor, list[torch.Tensor]]]:  # noqa: ANN001
+    """``(iteration, minibatch index, rows, micro-batches)`` of each optimiser step of ``module``'s plan for
+    ``batch`` (advantages 1 everywhere: no row is inert)."""
+    plan = UpdatePlan.build(module, batch, Advantages(torch.ones(batch.num_rows, 1)),
+                            torch.ones(batch.loss_mask.shape), [])
+    return [(step.iteration, step.index, step.rows, step.micros) for step in plan]
+
+
 def test_micro_batches_hold_rows_of_similar_length_deterministically():
     module = _grpo(micro_batch_size=4, num_minibatches=2)
     batch = _batch(SPREAD)
-    plans = [module._plan(batch, None), module._plan(batch, None)]
+    plans = [_plan(module, batch), _plan(module, batch)]
     assert [[m.tolist() for m in micros] for *_, micros in plans[0]] == \
            [[m.tolist() for m in micros] for *_, micros in plans[1]]
     minibatches = minibatch_rows(16, 2, module.seed, 0, 0, torch.device("cpu"))
@@ -412,7 +421,7 @@ def test_micro_batches_hold_rows_of_similar_length_deterministically():
     rows = sorted(r for *_, micros in plans[0] for m in micros for r in m.tolist())
     assert rows == list(range(16))  # every row once per pass
     module.length_bucketing = False
-    assert [m.tolist() for m in module._plan(batch, None)[0][3]] == [m.tolist() for m in minibatches[0].split(4)]
+    assert [m.tolist() for m in _plan(module, batch)[0][3]] == [m.tolist() for m in minibatches[0].split(4)]
 
 
 def test_trim_padding_cuts_unused_columns_and_keeps_the_log_probs():
