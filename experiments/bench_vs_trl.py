@@ -236,7 +236,8 @@ def main() -> None:
         raw_s = statistics.median([r["sample"] + r["fwd_bwd"] for r in raw])
         row = {
             "size": size, "trl": trl, "ours": ours, "ratio": ours["s_per_step"] / trl["s_per_step"],
-            "split": {k: statistics.median([s[k] for s in split]) for k in ("rollout_time", "reward_time", "update_time")},
+            "split": {k: statistics.median([s[k] for s in split])
+                      for k in ("rollout_time", "reward_time", "update_time")},
             "raw": {"sample": statistics.median([r["sample"] for r in raw]),
                     "fwd_bwd": statistics.median([r["fwd_bwd"] for r in raw]), "total": raw_s},
         }

@@ -24,9 +24,9 @@ whose prompts are 5 tokens. These workloads are what training looks like:
 Both frameworks use one checkpoint, one tokenizer, the same prompts in the same order (TRL
 ``shuffle_dataset=False``; our ``SequentialSampler``), the same reward function, fp32, no gradient
 checkpointing, no vLLM, top-p 1 (TRL ``top_k=0``). Each run is a subprocess (its own peak RSS); runs alternate
-ours, TRL, ours, TRL, ...; the first ``--warmup`` (``--long-warmup`` for the long workloads) steps of each run are not timed. A long
-workload's TRL step takes ~45 s on a loaded 2-core CPU, hence fewer timed steps there (the whole default run
-takes ~13 minutes on that machine).
+ours, TRL, ours, TRL, ...; the first ``--warmup`` (``--long-warmup`` for the long workloads) steps of each run are
+not timed. A long workload's TRL step takes ~45 s on a loaded 2-core CPU, hence fewer timed steps there (the
+whole default run takes ~13 minutes on that machine).
 
 Printed per workload: median s/step, ratio ours/TRL, peak RSS, and the work each framework did per step
 (means over all steps of all runs): completion tokens sampled, positions forwarded with gradient (the update;

@@ -162,7 +162,8 @@ def report(out: Path) -> str:
     from scipy.stats import spearmanr
 
     rows = list(csv.DictReader((out / "states.csv").open()))
-    lines = ["| critic | cut | states | continuations (successes) | AUC | Spearman ρ (p) |", "| --- | --- | --- | --- | --- | --- |"]
+    lines = ["| critic | cut | states | continuations (successes) | AUC | Spearman ρ (p) |",
+             "| --- | --- | --- | --- | --- | --- |"]
     for critic in ("v_digits", "v_letters", "v_asked"):
         for cut in (None, *sorted({r["cut"] for r in rows})):
             sel = [r for r in rows if cut is None or r["cut"] == cut]

@@ -6,13 +6,13 @@ The guard rail of a behaviour-preserving refactor: run it before and after, comp
     python experiments/param_digest.py --out after.json --compare before.json
     python experiments/param_digest.py --configs configs/grpo.yaml      # one config
 
-A config ``a.yaml+b.yaml`` stacks ``b`` after ``a`` (a task preset after a method). Each config runs in its own process with one thread (the same seed gives the same run bitwise), for
-``--steps`` rollout steps with the config's own batch sizes and methods settings, a held-out evaluation of 16
-prompts before the first and after every step, no checkpoints written and no run directory. Recorded: the
-SHA-256 of every trainable parameter's bytes (policy and critic, in ``named_parameters`` order) and every
-scalar logged at every step, written with ``repr`` so that two runs compare bit for bit. ``--compare`` prints
-each config whose parameters or numbers differ (with the largest absolute difference per metric) and exits 1
-if any does.
+A config ``a.yaml+b.yaml`` stacks ``b`` after ``a`` (a task preset after a method). Each config runs in its own
+process with one thread (the same seed gives the same run bitwise), for ``--steps`` rollout steps with the config's
+own batch sizes and methods settings, a held-out evaluation of 16 prompts before the first and after every step, no
+checkpoints written and no run directory. Recorded: the SHA-256 of every trainable parameter's bytes (policy and
+critic, in ``named_parameters`` order) and every scalar logged at every step, written with ``repr`` so that two
+runs compare bit for bit. ``--compare`` prints each config whose parameters or numbers differ (with the largest
+absolute difference per metric) and exits 1 if any does.
 
 Run against another checkout's code with ``PYTHONPATH=<checkout> python experiments/param_digest.py ...``
 (the script prints which ``rl_lightning`` it imported).
@@ -34,7 +34,8 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIGS = sorted(str(p.relative_to(REPO)) for p in (REPO / "configs").glob("*.yaml")
                          if p.name != "grpo_smollm2.yaml") + [
     "configs/grpo.yaml+configs/tasks/guess.yaml", "configs/reinforce.yaml+configs/tasks/calculator.yaml",
-    "configs/ppo.yaml+configs/tasks/guess.yaml+configs/tasks/guess_ppo.yaml", "configs/cope.yaml+configs/tasks/guess.yaml",
+    "configs/ppo.yaml+configs/tasks/guess.yaml+configs/tasks/guess_ppo.yaml",
+    "configs/cope.yaml+configs/tasks/guess.yaml",
     "configs/ablations/reinforce_lag4.yaml", "configs/ablations/sao_sync.yaml",
 ]
 
@@ -70,10 +71,11 @@ def _child(config: str, steps: int, out: str) -> None:
                 self.points.setdefault(key, {})[str(step)] = repr(float(value))
 
     with tempfile.TemporaryDirectory() as root:
-        args = [arg for part in config.split("+") for arg in ("--config", part)] + [f"--trainer.max_steps={steps}", "--trainer.logger=false",
-                f"--trainer.default_root_dir={root}", "--trainer.val_check_interval=1",
-                "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false",
-                "--data.init_args.val_batch_size=16"]
+        args = [arg for part in config.split("+") for arg in ("--config", part)]
+        args += [f"--trainer.max_steps={steps}", "--trainer.logger=false",
+                 f"--trainer.default_root_dir={root}", "--trainer.val_check_interval=1",
+                 "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false",
+                 "--data.init_args.val_batch_size=16"]
         cli = build_cli(args, run=False, save_config=False)
         recorder = Recorder()
         cli.trainer.loggers = [recorder]

@@ -22,19 +22,27 @@ BEGIN, END = "<!-- protocol-studies -->", "<!-- /protocol-studies -->"
 STUDIES = (
     ("shipped_arithmetic", "Shipped configs on 2-digit addition (a learning check: most mechanisms cannot act here)"),
     ("lag_mechanisms", "Off-policy and single-stream mechanisms on 2-digit addition: one ablation each"),
-    ("methods_2026", "The methods papers compare against in 2026 (Dr. GRPO, DAPO, GSPO, CISPO, REINFORCE++), 2-digit addition"),
+    ("methods_2026", "The methods papers compare against in 2026 (Dr. GRPO, DAPO, GSPO, CISPO, REINFORCE++), "
+                     "2-digit addition"),
     ("reach", "Reach the target (multi-turn, distinct starting states): GRPO and TEMPO"),
-    ("running_sum", "Running sums written out (long responses): GRPO, and EasyPPO and BPCO with their ablations (in progress)"),
-    ("smollm2_lora", "SmolLM2-135M-Instruct with LoRA adapters: GRPO on word problems, 200 test problems (in progress)"),
+    ("running_sum", "Running sums written out (long responses): GRPO, and EasyPPO and BPCO with their ablations "
+                    "(in progress)"),
+    ("smollm2_lora", "SmolLM2-135M-Instruct with LoRA adapters: GRPO on word problems, 200 test problems "
+                     "(in progress)"),
 )
 
 
 def section() -> list[str]:
     out = [BEGIN, "## Protocol studies", "",
-           "Made by `experiments/study.py` under [the protocol](#the-protocol): one pinned setup per study (commit, `avx2`",
-           "kernels, 1 thread), the test split, 5 seeds, the mean of each run's last 3 evaluations, mean ± 95% CI, and the",
-           "seed-paired difference to the arm's baseline with its p-value (\"within noise\" where its interval holds 0).",
-           "Written by `experiments/results_section.py` from the CSVs in each study's folder; the folder's README has the",
+           # one string per line of docs/results.md (a long one in two literals)
+           ("Made by `experiments/study.py` under [the protocol](#the-protocol): one pinned setup per study "
+            "(commit, `avx2`"),
+           ("kernels, 1 thread), the test split, 5 seeds, the mean of each run's last 3 evaluations, mean ± 95% CI, "
+            "and the"),
+           ("seed-paired difference to the arm's baseline with its p-value (\"within noise\" where its interval "
+            "holds 0)."),
+           ("Written by `experiments/results_section.py` from the CSVs in each study's folder; the folder's README "
+            "has the"),
            "equal-compute table, every run and the notes.", ""]
     for name, title in STUDIES:
         folder = REPO / "experiments" / "studies" / name

@@ -99,13 +99,17 @@ def section(logs: dict[str, dict], command: str) -> str:
     def last3(n: str) -> str:
         return f"{statistics.mean(val[n][s] for s in steps[-3:]):.3f}"
 
+    def wall_minutes(n: str) -> str:
+        times = [w for t in logs[n].values() for _, _, w in t]
+        return f"{(max(times) - min(times)) / 60:.0f}"
+
     for label, cell in (("val/reward at step 0", lambda n: f"{val[n][steps[0]]:.3f}"),
                         (f"mean of the last 3 evaluations (steps {steps[-3]}-{steps[-1]})", last3),
                         ("best", lambda n: f"{max(val[n].values()):.3f}"),
                         ("median perf/step_time (s)", lambda n: med(n, "perf/step_time", ".1f")),
                         ("median perf/rollout_time (s)", lambda n: med(n, "perf/rollout_time", ".1f")),
                         ("median train/sampler_logp_diff", lambda n: med(n, "train/sampler_logp_diff", ".1e")),
-                        ("wall time (min)", lambda n: f"{(max(w for t in logs[n].values() for _, _, w in t) - min(w for t in logs[n].values() for _, _, w in t)) / 60:.0f}")):
+                        ("wall time (min)", wall_minutes)):
         lines.append(f"| {label} | " + " | ".join(cell(n) for n in names) + " |")
     lines += ["", "![held-out reward against step and wall time](results.png)", ""]
     return "\n".join(lines)

@@ -228,7 +228,8 @@ def _uncommitted_digest() -> str:
 def run_env(study: Study) -> dict[str, str]:
     env = {**os.environ, **PINS[study.kernel]}
     env.update(OMP_NUM_THREADS=str(study.threads), MKL_NUM_THREADS=str(study.threads), HF_HUB_OFFLINE="1",
-               PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))  # this checkout's code
+               # this checkout's code
+               PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
     return env
 
 
@@ -543,17 +544,19 @@ def compute_rows(study: Study, runs: dict[str, list[RunData]]) -> tuple[list[str
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
+    return ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header),
+            *("| " + " | ".join(r) + " |" for r in rows)]
 
 
 def report_lines(study: Study, runs: dict[str, list[RunData]], setup: dict[str, Any], plot: str | None) -> list[str]:
     k = study.last_k
     splits = sorted({r.split for group in runs.values() for r in group})
     lines = [f"# {study.title}", "",
-             f"Written by `experiments/study.py report {os.path.relpath(study.folder, REPO)}` from the CSVs in `runs/` of "
-             "this folder (every number below can be recomputed from them).", "",
+             f"Written by `experiments/study.py report {os.path.relpath(study.folder, REPO)}` from the CSVs in "
+             "`runs/` of this folder (every number below can be recomputed from them).", "",
              "## Setup (pinned: every run of this study)", "",
-             f"- commit `{setup['commit']}`; code trees " + ", ".join(f"`{t}` {h[:10]}" for t, h in setup["trees"].items()),
+             f"- commit `{setup['commit']}`; code trees " +
+             ", ".join(f"`{t}` {h[:10]}" for t, h in setup["trees"].items()),
              f"- kernel set `{setup['kernel']}` (" + ", ".join(f"{k_}={v}" for k_, v in setup["pins"].items()) +
              f"), {setup['threads']} thread(s)",
              f"- CPU: {setup['cpu']} (AVX-512: {'yes' if setup['cpu_avx512'] else 'no'}, AMX: "

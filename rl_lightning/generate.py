@@ -61,9 +61,9 @@ def _build(source: Path, build_cli: Callable[..., Any], overrides: dict[str, Any
     return module, data, where
 
 
-def generate(source: str | Path, out: str | Path, build_cli: Callable[..., Any], n: int = 1, ks: list[int] | None = None,
-             prompts_file: str | None = None, split: str = "test", greedy: bool = False, limit: int | None = None,
-             pass_reward: float = 1.0, overrides: dict[str, Any] | None = None) -> str:
+def generate(source: str | Path, out: str | Path, build_cli: Callable[..., Any], n: int = 1,
+             ks: list[int] | None = None, prompts_file: str | None = None, split: str = "test", greedy: bool = False,
+             limit: int | None = None, pass_reward: float = 1.0, overrides: dict[str, Any] | None = None) -> str:
     """Write the samples (see the module docstring) and return the summary line. Raises ``ExportError``,
     ``CheckpointError``, ``ConfigError`` or ``PromptFileError`` with one line."""
     if n < 1 or (greedy and n != 1):
@@ -100,8 +100,9 @@ def generate(source: str | Path, out: str | Path, build_cli: Callable[..., Any],
     line = f"{len(prompts)} prompts x {mode} from {where} -> {out}"
     if rewards:
         mean = sum(map(sum, rewards)) / (len(rewards) * n)
-        passes = ", ".join(f"pass@{k} {sum(pass_at_k(n, sum(r >= pass_reward for r in rs), k) for rs in rewards) / len(rewards):.3f}"
-                           for k in ks)
+        passes = ", ".join(
+            f"pass@{k} {sum(pass_at_k(n, sum(r >= pass_reward for r in rs), k) for rs in rewards) / len(rewards):.3f}"
+            for k in ks)
         line += f"; mean@{n} reward {mean:.3f}, {passes} on {len(rewards)} scored prompts"
     return line
 

@@ -41,7 +41,8 @@ def test_values_set_again_after_the_switch_or_equal_to_the_defaults_are_not_list
 def test_a_switch_in_a_stacked_config_and_a_nested_task_switch(tmp_path):
     layer = tmp_path / "layer.yaml"
     layer.write_text(yaml.safe_dump({"model": {"class_path": WIDE},
-                                     "data": {"init_args": {"task": {"class_path": "rl_lightning.envs.GuessNumberTask"}}}}))
+                                     "data": {"init_args": {"task": {
+                                         "class_path": "rl_lightning.envs.GuessNumberTask"}}}}))
     task = {"class_path": "rl_lightning.envs.GuessNumberTask", "init_args": {"seed": 99, "max_guesses": 5}}
     first = tmp_path / "first.yaml"
     first.write_text(yaml.safe_dump({"data": {"init_args": {"task": {"class_path": "rl_lightning.envs.ArithmeticTask",

@@ -230,8 +230,8 @@ def test_the_readme_lists_every_scalar_a_grpo_run_logs(tmp_path, monkeypatch):
 
 
 def test_the_private_names_compat_relies_on_still_exist(tmp_path):
-    """``rl_lightning.callbacks.compat`` is the only user of Lightning's and jsonargparse's private API: after an upgrade,
-    this names what is gone."""
+    """``rl_lightning.callbacks.compat`` is the only user of Lightning's and jsonargparse's private API: after an
+    upgrade, this names what is gone."""
     import inspect
 
     from jsonargparse import ArgumentParser

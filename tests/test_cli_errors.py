@@ -194,7 +194,8 @@ def test_lightning_settings_and_missing_packages_fail_in_one_line(tmp_path, args
     steps = [] if "--trainer.max_steps" in args else ["--trainer.max_steps", "1"]
     proc = subprocess.run([sys.executable, "-m", "rl_lightning", "fit", "--config", str(REPO / "configs/grpo.yaml"),
                            *args, *steps, "--trainer.logger.init_args.save_dir", str(tmp_path)],
-                          cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     errors = [line for line in proc.stderr.splitlines() if line.startswith("rl-lightning: error")]
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert len(errors) == 1 and expected in errors[0], proc.stderr[-2000:]
@@ -206,7 +207,8 @@ def test_checkpointing_off_drops_the_configs_checkpoint_callback_and_runs(tmp_pa
                            "--trainer.enable_checkpointing", "false", "--trainer.max_steps", "1",
                            "--trainer.val_check_interval", "1", "--data.init_args.num_val_prompts", "8",
                            "--trainer.logger.init_args.save_dir", str(tmp_path)],
-                          cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "the config's ModelCheckpoint is dropped" in proc.stderr + proc.stdout
     assert not list(tmp_path.rglob("*.ckpt"))
@@ -254,8 +256,9 @@ def test_a_config_error_from_user_code_is_one_line_with_exit_2(tmp_path, args, e
     raising ConfigError gets the library's one-line form; they printed 42-115-line tracebacks before."""
     (tmp_path / "myext.py").write_text(USER_MODULE)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
-    proc = subprocess.run([sys.executable, "-m", "rl_lightning", "fit", "--config", str(GRPO), "--model", "myext.MyGRPO",
-                           *args, "--trainer.max_steps", "1", "--trainer.logger.init_args.save_dir", str(tmp_path)],
+    proc = subprocess.run([sys.executable, "-m", "rl_lightning", "fit", "--config", str(GRPO),
+                           "--model", "myext.MyGRPO", *args, "--trainer.max_steps", "1",
+                           "--trainer.logger.init_args.save_dir", str(tmp_path)],
                           cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("rl-lightning: error")]
     assert proc.returncode == 2, proc.stderr[-3000:]
@@ -267,8 +270,8 @@ def test_a_plain_error_from_user_code_keeps_its_traceback(tmp_path):
     """Only ConfigError is a configuration error when user code raises it: a plain ValueError may be a bug."""
     (tmp_path / "myext.py").write_text(USER_MODULE)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
-    proc = subprocess.run([sys.executable, "-m", "rl_lightning", "fit", "--config", str(GRPO), "--model", "myext.MyGRPO",
-                           "--model.init_args.plain_error", "true", "--trainer.max_steps", "1",
-                           "--trainer.logger.init_args.save_dir", str(tmp_path)],
+    proc = subprocess.run([sys.executable, "-m", "rl_lightning", "fit", "--config", str(GRPO),
+                           "--model", "myext.MyGRPO", "--model.init_args.plain_error", "true",
+                           "--trainer.max_steps", "1", "--trainer.logger.init_args.save_dir", str(tmp_path)],
                           cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 1 and "Traceback" in proc.stderr and "a plain ValueError from user code" in proc.stderr

@@ -282,7 +282,8 @@ def test_auxiliary_rows_join_the_same_update_with_their_own_loss(tmp_path):
         torch.testing.assert_close(param.detach(), want, atol=atol, rtol=2 * unit_roundoff())
     # the value rows really moved the weights: without them the step differs by far more than the tolerance
     plain, _ = _value_rows_step(tmp_path, aux=False)
-    gap = max(float((a - b).detach().abs().max()) for a, b in zip(plain.policy.parameters(), module.policy.parameters()))
+    gap = max(float((a - b).detach().abs().max())
+              for a, b in zip(plain.policy.parameters(), module.policy.parameters()))
     assert gap > 100 * atol
     tol = 4 * decoder_logprob_bound(fresh.policy, 1.0, config.max_position_embeddings)
     assert logged["train/value_token_loss"] == pytest.approx(float(value_term), abs=tol)
@@ -360,7 +361,8 @@ def test_the_sequence_level_example_equals_the_library_gspo():
     mine = _example("sequence_clip").SequenceClipGRPO(model_name_or_path="embedded:random")
     sampler = torch.log(torch.tensor([[0.25, 0.5], [0.5, 0.5]]))
     mask = torch.ones(2, 2, dtype=torch.long)
-    batch = RolloutBatch(input_ids=torch.ones(2, 4, dtype=torch.long), attention_mask=torch.ones(2, 4, dtype=torch.long),
+    batch = RolloutBatch(input_ids=torch.ones(2, 4, dtype=torch.long),
+                         attention_mask=torch.ones(2, 4, dtype=torch.long),
                          prompt_length=2, loss_mask=mask, sampler_logprobs=sampler, rewards=torch.zeros(2),
                          group_size=2, prompt_index=torch.zeros(2, dtype=torch.long),
                          truncated=torch.zeros(2, dtype=torch.bool))

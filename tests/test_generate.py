@@ -43,10 +43,10 @@ def test_samples_are_scored_and_summarised_as_pass_at_k(run, tmp_path, capsys):
                              "--limit", "12")
     assert code == 0
     lines = _lines(tmp_path / "s.jsonl")
-    assert len(lines) == 48 and [l["sample"] for l in lines[:4]] == [0, 1, 2, 3]
+    assert len(lines) == 48 and [s["sample"] for s in lines[:4]] == [0, 1, 2, 3]
     reward = ExactMatchReward()
-    assert all(l["reward"] == reward(Prompt(l["prompt"], l["answer"]), l["response"]) for l in lines)
-    per_prompt = [[l["reward"] for l in lines[i:i + 4]] for i in range(0, 48, 4)]
+    assert all(s["reward"] == reward(Prompt(s["prompt"], s["answer"]), s["response"]) for s in lines)
+    per_prompt = [[s["reward"] for s in lines[i:i + 4]] for i in range(0, 48, 4)]
     mean = sum(map(sum, per_prompt)) / 48
     expected = {k: sum(pass_at_k(4, int(sum(r)), k) for r in per_prompt) / 12 for k in (1, 2, 4)}
     summary = re.search(r"mean@4 reward ([\d.]+), pass@1 ([\d.]+), pass@2 ([\d.]+), pass@4 ([\d.]+) on 12 scored", out)
@@ -66,7 +66,7 @@ def test_greedy_responses_are_the_held_out_evaluations(tmp_path, capsys):
     cli.datamodule.num_val_prompts, cli.datamodule.val_batch_size = 16, 16
     total, count = cli.datamodule.evaluate()
     lines = _lines(tmp_path / "g.jsonl")
-    assert count == len(lines) == 16 and sum(l["reward"] for l in lines) == total
+    assert count == len(lines) == 16 and sum(s["reward"] for s in lines) == total
 
 
 def test_prompts_from_a_file_with_and_without_answers(tmp_path, capsys):
@@ -75,8 +75,8 @@ def test_prompts_from_a_file_with_and_without_answers(tmp_path, capsys):
     code, out, _ = _generate(capsys, GRPO, "--out", str(tmp_path / "o.jsonl"), "--prompts", str(prompts), "--n", "2")
     assert code == 0 and "on 1 scored prompts" in out
     lines = _lines(tmp_path / "o.jsonl")
-    assert [l["answer"] for l in lines] == ["42", "42", None, None]
-    assert [l["reward"] is None for l in lines] == [False, False, True, True]
+    assert [s["answer"] for s in lines] == ["42", "42", None, None]
+    assert [s["reward"] is None for s in lines] == [False, False, True, True]
 
 
 def test_errors_are_one_line(run, tmp_path, capsys):

@@ -100,7 +100,8 @@ def test_fsdp_preset_builds_fsdp2_over_every_device():
     assert trainer.strategy.init_args.data_parallel_size == trainer.devices
     built = instantiate(cli)
     strategy = built.trainer.strategy
-    assert isinstance(strategy, ModelParallelStrategy) and trainer.strategy.init_args.save_distributed_checkpoint is False
+    assert (isinstance(strategy, ModelParallelStrategy)
+            and trainer.strategy.init_args.save_distributed_checkpoint is False)
     blocks = set(built.model.policy._no_split_modules)
     assert "LlamaDecoderLayer" in blocks and any(isinstance(m, LlamaDecoderLayer) for m in built.model.policy.modules())
 
@@ -133,7 +134,8 @@ def test_each_task_preset_writes_its_runs_under_its_own_name():
     """So that ``--ckpt_path last`` after stacking a task preset finds a run of that task, not the method's."""
     stacks = {"guess": ["grpo", "guess"], "calculator": ["grpo", "calculator"],
               "arithmetic_hard": ["grpo", "arithmetic_hard"], "guess_ppo": ["ppo", "guess", "guess_ppo"],
-              "guess_grpo": ["grpo", "guess", "guess_grpo"], "guess_reinforce": ["reinforce", "guess", "guess_reinforce"],
+              "guess_grpo": ["grpo", "guess", "guess_grpo"],
+              "guess_reinforce": ["reinforce", "guess", "guess_reinforce"],
               "sao_arithmetic": ["sao", "sao_arithmetic"], "guess_tempo": ["tempo", "guess", "guess_tempo"],
               "calculator_tempo": ["tempo", "calculator", "calculator_tempo"],
               "guess_lvrl": ["lvrl", "guess", "guess_lvrl"],

@@ -48,7 +48,8 @@ def test_resume_restores_the_lagged_sampler(tmp_path):
     kwargs = dict(sampler_sync_interval=3)
     straight_rec = RecordRollouts()
     straight = _module()
-    tiny_trainer(tmp_path / "a", max_steps=4, callbacks=[straight_rec]).fit(straight, datamodule=tiny_datamodule(**kwargs))
+    tiny_trainer(tmp_path / "a", max_steps=4, callbacks=[straight_rec]).fit(
+        straight, datamodule=tiny_datamodule(**kwargs))
 
     first = _module()
     trainer = tiny_trainer(tmp_path / "b", max_steps=2)
@@ -169,7 +170,8 @@ def test_resume_restores_a_lagged_sampler_whose_engine_cannot_give_its_weights_b
     trainer.save_checkpoint(tmp_path / "b" / "step2.ckpt")
     resumed_rec, resumed = RecordRollouts(), _module()
     tiny_trainer(tmp_path / "c", max_steps=4, callbacks=[resumed_rec]).fit(
-        resumed, datamodule=tiny_datamodule(engine=ListEngine(), **kwargs), ckpt_path=str(tmp_path / "b" / "step2.ckpt"))
+        resumed, datamodule=tiny_datamodule(engine=ListEngine(), **kwargs),
+        ckpt_path=str(tmp_path / "b" / "step2.ckpt"))
     # step 2 samples with the step-0 weights (stale), which only the checkpoint can have given the fresh engine
     assert torch.equal(resumed_rec.rewards[0], straight_rec.rewards[2])
     assert resumed_rec.metrics[0]["train/sampler_logp_diff"] == straight_rec.metrics[2]["train/sampler_logp_diff"]

@@ -19,7 +19,6 @@ import yaml
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from rl_lightning import runs
 from rl_lightning.callbacks.safety import AtomicCheckpointIO
 from rl_lightning.cli import build_cli, cli_main
 from rl_lightning.envs import ArithmeticTask
@@ -59,7 +58,8 @@ def test_last_resumes_the_named_run_into_its_own_directory(tmp_path, monkeypatch
     fit(*tiny(4))
     grpo = tmp_path / "runs" / "grpo" / "version_0"
     assert (grpo / "checkpoints" / "last.ckpt").is_file() and (grpo / "config.yaml").is_file()
-    assert yaml.safe_load((grpo / "config.yaml").read_text())["trainer"]["logger"]["init_args"]["version"] == "version_0"
+    assert (yaml.safe_load((grpo / "config.yaml").read_text())["trainer"]["logger"]["init_args"]["version"]
+            == "version_0")
     # another run, under another logger name (the reproduction: a JSONL subtraction task)
     data = tmp_path / "sub.jsonl"
     data.write_text("".join(f'{{"prompt": "{a}-{b}=", "answer": "{a - b}"}}\n' for a in range(5, 10) for b in range(5)))
@@ -177,7 +177,8 @@ def test_bad_checkpoints_give_one_line_naming_the_file(tmp_path, monkeypatch, ca
     empty.write_bytes(b"")
     truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
     code, line = one_line_error(capsys, "fit", "--config", GRPO, *tiny(3), "--ckpt_path", str(empty))
-    assert code == 2 and line == f"rl-lightning: error: --ckpt_path {empty}: the file is empty (a write that was interrupted?)"
+    assert code == 2 and line == (f"rl-lightning: error: --ckpt_path {empty}: the file is empty "
+                                  "(a write that was interrupted?)")
     code, line = one_line_error(capsys, "fit", "--config", GRPO, *tiny(3), "--ckpt_path", str(truncated))
     assert code == 2 and line.startswith(f"rl-lightning: error: --ckpt_path {truncated}: not a readable checkpoint")
     code, line = one_line_error(capsys, "fit", "--config", GRPO, *tiny(3), "--ckpt_path", str(tmp_path / "nope.ckpt"))
@@ -457,8 +458,9 @@ def test_final_checkpoint_writes_nothing_more_when_the_last_save_was_the_final_s
     from tests.conftest import tiny_datamodule, tiny_trainer
 
     trainer = tiny_trainer(tmp_path, max_steps=2, enable_checkpointing=True,
-                           callbacks=[FinalCheckpoint(), ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2,
-                                                                         save_last=True, save_top_k=-1)])
+                           callbacks=[FinalCheckpoint(),
+                                      ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2,
+                                                      save_last=True, save_top_k=-1)])
     saved: list[tuple[str, int]] = []
     save = trainer.save_checkpoint
 

@@ -31,7 +31,8 @@ from rl_lightning.algorithms.tempo import TEMPO
 from rl_lightning.algorithms.trpo import TRPO
 
 __all__ = [
-    "AC2", "Advantages", "AuxiliaryRows", "BPCO", "CISPO", "CriticLearner", "HeldoutEvaluation", "Summed", "TokenMean", "CoPE", "EasyPPO", "FlashREINFORCE", "GRPO", "GSPO", "LVRL", "PPO", "REINFORCE", "ReinforcePP", "RLOO", "SAO", "SPO",
-    "ScoreCentering", "StableReinforce", "TEMPO", "TRPO", "HeldoutObserver", "LossTerm", "NonFiniteLossError", "PolicyGradient",
-    "PolicyOutput", "RLModule", "check_settings", "clip_metrics",
+    "AC2", "Advantages", "AuxiliaryRows", "BPCO", "CISPO", "CriticLearner", "HeldoutEvaluation", "Summed", "TokenMean",
+    "CoPE", "EasyPPO", "FlashREINFORCE", "GRPO", "GSPO", "LVRL", "PPO", "REINFORCE", "ReinforcePP", "RLOO", "SAO",
+    "SPO", "ScoreCentering", "StableReinforce", "TEMPO", "TRPO", "HeldoutObserver", "LossTerm", "NonFiniteLossError",
+    "PolicyGradient", "PolicyOutput", "RLModule", "check_settings", "clip_metrics",
 ]

@@ -90,7 +90,8 @@ class AC2(GRPO):
 
     def branches(self, step: int, prompts: Any) -> list[Branch]:
         """The step's prompts (empty prefix), then ``replay`` stored prefixes; a chunk's budget each."""
-        fresh = [Branch(p, prompt_index=i, max_tokens=self.chunk_tokens) for i, p in zip(prompts.indices, prompts.prompts)]
+        fresh = [Branch(p, prompt_index=i, max_tokens=self.chunk_tokens)
+                 for i, p in zip(prompts.indices, prompts.prompts)]
         saved = self.store.sample(self.replay, torch.Generator().manual_seed(self.seed * 1_000_003 + step))
         return fresh + [replace(b, max_tokens=self.chunk_tokens) for b in saved]
 
@@ -111,8 +112,9 @@ class AC2(GRPO):
             ready = [self.readiness.ready(keys[r]) for r in cut]
             unready = [(r, v) for r, v, ok in zip(cut, predicted, ready) if not ok]
             if unready:  # complete them: the outcome is their value, and an audit of the critic
-                out = self.trainer.datamodule.rollout_branches([Branch.from_rollout(batch, r) for r, _ in unready],
-                                                               n=1, seed=(self.seed * 1_000_033 + self.global_step) % 2**31)
+                out = self.trainer.datamodule.rollout_branches(
+                    [Branch.from_rollout(batch, r) for r, _ in unready],
+                    n=1, seed=(self.seed * 1_000_033 + self.global_step) % 2**31)
                 for (r, v), outcome in zip(unready, out.rewards.tolist()):
                     values[r], completed[r] = outcome, 1.0
                     self.readiness.record(keys[r], abs(v - outcome))

@@ -78,7 +78,8 @@ class CriticLearner:
              f"needs critic: separate (a head on the policy would let the policy read it) and an {{answer}} field "
              f"(critic={mode!r})")])
         self.module, self.mode, self.lr, self.value_clip = module, mode, lr, value_clip
-        self.updates, self.minibatches, self.max_grad_norm, self.reference = updates, minibatches, max_grad_norm, reference
+        self.updates, self.minibatches = updates, minibatches
+        self.max_grad_norm, self.reference = max_grad_norm, reference
         bounds = None if value_bounds is None else (float(value_bounds[0]), float(value_bounds[1]))
         module.critic = build_critic(mode, module.policy, model_name_or_path or module.hparams.model_name_or_path,
                                      module.hparams.dtype, bounds)
@@ -180,7 +181,8 @@ class CriticLearner:
 
     # ------------------------------------------------------------------ targets
     def gae(self, batch: RolloutBatch, gamma: float, lam: float, whiten: bool) -> Advantages:
-        """PPO's advantages (``functional.outcome_gae`` over the rollout values ``V_old``) with ``returns = Â + V_old``."""
+        """PPO's advantages (``functional.outcome_gae`` over the rollout values ``V_old``) with
+        ``returns = Â + V_old``."""
         values = self.rollout_values(batch)  # V_old, [N, T]
         advantages, returns = outcome_gae(batch.rewards.float(), values, batch.loss_mask, gamma, lam, whiten=whiten)
         return Advantages(advantages, values=values, returns=returns)

@@ -68,7 +68,8 @@ class FlashREINFORCE(PolicyGradient):
             ("delta", delta, delta > 0, "must be > 0"),
             ("loss_aggregation", loss_aggregation, loss_aggregation == "seq_mean_token_mean",
              "must be seq_mean_token_mean (FlashREINFORCE's equal trajectory weight, 1/B Σ_i 1/T_i Σ_t)"),
-            ("num_minibatches", self.num_minibatches, self.num_minibatches == 1, "must be 1 (one update per fresh batch)"),
+            ("num_minibatches", self.num_minibatches, self.num_minibatches == 1,
+             "must be 1 (one update per fresh batch)"),
             ("tis_cap", self.tis_cap, self.tis_cap is None,
              "must be null (its own importance ratio is unclipped, with the trajectory gate as the trust region)")])
         self.delta = float(delta)
@@ -78,7 +79,8 @@ class FlashREINFORCE(PolicyGradient):
         rewards = batch.rewards.float()
         if self.ranks.world_size == 1:
             return batch_centered_advantages(rewards)
-        totals = self.ranks.sum(torch.stack([rewards.sum(), torch.tensor(float(rewards.numel()), device=rewards.device)]))
+        totals = self.ranks.sum(torch.stack([rewards.sum(),
+                                             torch.tensor(float(rewards.numel()), device=rewards.device)]))
         return batch_centered_advantages(rewards, totals[0] / totals[1])  # [Σ R, B] over every rank
 
     @override

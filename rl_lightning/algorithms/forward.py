@@ -15,7 +15,7 @@ generated tokens of a ``RolloutBatch``, and of arbitrary token sequences.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch import Tensor, nn
@@ -222,7 +222,8 @@ class LearnerForward:
     def score_sequences(self, contexts: list[list[int]], targets: list[list[int]],
                         target_masks: list[list[int]] | None = None, model: nn.Module | None = None,
                         temperature: float = 1.0, with_entropy: bool = False) -> tuple[PolicyOutput, Tensor]:
-        """``(out, mask)``: log-probs, with gradient, of ``targets`` after ``contexts`` (``forward.sequences_batch``)."""
+        """``(out, mask)``: log-probs, with gradient, of ``targets`` after ``contexts``
+        (``forward.sequences_batch``)."""
         batch = sequences_batch(contexts, targets, target_masks, self.tokenizer.pad_token_id, temperature,
                                 next(self.policy.parameters()).device)
         return self.forward_policy(batch, model, with_entropy=with_entropy), batch.loss_mask

@@ -146,7 +146,8 @@ class GenerativeCritic:
         head, tail = encode(self.instruction), encode(extra) + encode(self.query)
         reserve = 0
         if self.reasoning_tokens:
-            tail, reserve = encode(extra) + encode(self.reasoning_prompt), self.reasoning_tokens + len(encode(self.query))
+            tail, reserve = (encode(extra) + encode(self.reasoning_prompt),
+                             self.reasoning_tokens + len(encode(self.query)))
         limit = getattr(getattr(module.policy, "config", None), "max_position_embeddings", None)
         room = len(history) if limit is None else max(limit - 1 - reserve - len(head) - len(tail), 1)
         return head + list(history)[-room:] + tail
@@ -198,7 +199,8 @@ class GenerativeCritic:
         grid = torch.tensor(self.grid_ids(module.tokenizer), device=module.device)
         rows = sequences_batch(contexts, [[int(grid[b])] for b in bins.tolist()], None,
                                module.tokenizer.pad_token_id, 1.0, module.device)
-        rows = replace(rows, extras={BIN: bins.to(module.device), **{k: v.to(module.device) for k, v in extras.items()}})
+        rows = replace(rows, extras={BIN: bins.to(module.device),
+                                     **{k: v.to(module.device) for k, v in extras.items()}})
         weights = rollout_weights(rows, "token_mean", module.ranks) * coef  # the mean over every rank's rows
         return rows, weights, grid.expand(len(contexts), 1, grid.numel())
 
@@ -216,7 +218,8 @@ class GenerativeCritic:
 
     def accuracy_rows(self, module: Any, contexts: list[list[int]], targets: Tensor, samples: int,
                       generator: torch.Generator, coef: float = 1.0, clip_eps: float = 0.2, scale: bool = False,
-                      std_eps: float = 1e-6, metric: str = "train/critic_loss") -> tuple[AuxiliaryRows, dict[str, Tensor]]:
+                      std_eps: float = 1e-6,
+                      metric: str = "train/critic_loss") -> tuple[AuxiliaryRows, dict[str, Tensor]]:
         """TEMPO's critic rows: ``samples`` value tokens per context drawn from the grid-restricted distribution
         (``generator``, on the CPU), each rewarded ``-|v - y| / (R_max - R_min)`` for its context's target ``y``,
         centred within the context's group (``functional.accuracy_advantages``), under GRPO's clipped surrogate

@@ -115,9 +115,10 @@ class ValueTokenCritic(FrozenJudge):
     would be an ordinary critic). Why value tokens and not generated text for the default: the expectation over a
     fixed grid (issue 22's generative-critic design) is deterministic, needs no parser that can fail, and costs one
     forward per ``batch_size`` contexts, in which the queries of a row share its episode
-    (``forward.shared_prompt_forward``); ``PromptedCritic`` is the text form for models that can reason. On the embedded models nothing taught the policy to judge: there its readings
-    are a fixed, arbitrary split of the anchored total, which LVRL allows (its anchoring fixes the
-    total, not a correct split over the actions); a real model can be given a more telling ``query``.
+    (``forward.shared_prompt_forward``); ``PromptedCritic`` is the text form for models that can reason. On the
+    embedded models nothing taught the policy to judge: there its readings are a fixed, arbitrary split of the
+    anchored total, which LVRL allows (its anchoring fixes the total, not a correct split over the actions); a real
+    model can be given a more telling ``query``.
 
     Args:
         query: text after the episode (``str.format`` fields above); the default is short enough for the embedded

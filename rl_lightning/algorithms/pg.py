@@ -88,7 +88,8 @@ class PolicyGradient(RLModule):
 
 def score_metrics(stats: Any) -> Metrics:
     """The token means of a score-function loss's stats (``logprob_mean``, ``advantage_mean``)."""
-    return {"train/logprob_mean": TokenMean(stats.logprob_mean), "train/advantage_mean": TokenMean(stats.advantage_mean)}
+    return {"train/logprob_mean": TokenMean(stats.logprob_mean),
+            "train/advantage_mean": TokenMean(stats.advantage_mean)}
 
 
 def tis_weighted(advantages: Tensor, logprobs: Tensor, batch: RolloutBatch,

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import Tensor
 from typing_extensions import override
 

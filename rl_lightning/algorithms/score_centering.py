@@ -36,8 +36,9 @@ class ScoreCentering(PolicyGradient):
 
     The reference implementations use it with a REINFORCE loss only (not combinable with PPO-style clipping), so
     it is a ``PolicyGradient`` with REINFORCE's default EMA baseline: ``baseline``, ``ema_decay`` and
-    ``loss_aggregation`` mean what they mean there. Logged besides REINFORCE's metrics: ``train/head_mass`` (token mean of ``Σ_H q``, how much of the
-    sampler the head covers) and ``train/tail_ratio`` (token mean of ``ρ``; 1 on-policy).
+    ``loss_aggregation`` mean what they mean there. Logged besides REINFORCE's metrics: ``train/head_mass`` (token
+    mean of ``Σ_H q``, how much of the sampler the head covers) and ``train/tail_ratio`` (token mean of ``ρ``; 1
+    on-policy).
 
     Args:
         importance_cap: ``None``: ``w ≡ 1`` (the plain correction); ``C > 0``: the importance-weighted variant with

@@ -30,8 +30,9 @@ class StableReinforce(PolicyGradient):
     """REINFORCE centred by the learner's mean score at ``K`` auxiliary sampler draws (needs
     ``data.record_aux_draws >= 1``).
 
-    ``baseline`` (REINFORCE's EMA by default), ``ema_decay`` and ``loss_aggregation`` are ``PolicyGradient``'s. The learner's log-probs at the draws
-    come from the same forward as the sampled tokens' (``RLModule.extra_logprob_ids``).
+    ``baseline`` (REINFORCE's EMA by default), ``ema_decay`` and ``loss_aggregation`` are ``PolicyGradient``'s. The
+    learner's log-probs at the draws come from the same forward as the sampled tokens'
+    (``RLModule.extra_logprob_ids``).
 
     Args:
         **kwargs: ``PolicyGradient`` arguments (``tis_cap`` is refused: the centring would not see the weights).

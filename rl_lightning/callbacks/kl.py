@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer

@@ -28,7 +28,8 @@ class GradientCheckpointing(Callback):
         for name, module in pl_module.named_modules():
             inside = any(name.startswith(f"{outer}.") for outer in self.enabled)  # e.g. a causal LM's decoder
             if isinstance(module, PreTrainedModel) and module.supports_gradient_checkpointing and not inside:
-                module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": self.use_reentrant})
+                module.gradient_checkpointing_enable(
+                    gradient_checkpointing_kwargs={"use_reentrant": self.use_reentrant})
                 module.config.use_cache = False  # a cache is of no use in the learner's forward and conflicts
                 self.enabled.append(name or type(module).__name__)
         if not self.enabled:

@@ -32,7 +32,6 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
-from lightning.pytorch.utilities import rank_zero_info
 
 from rl_lightning.algorithms.evaluation import HeldoutEvaluation
 from rl_lightning.callbacks import compat
@@ -310,7 +309,8 @@ class FailureDump(Callback):
             self._snapshot = _to_cpu(compat.dump_checkpoint(trainer))
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        # a shallow copy: fields a LossTerm adds to the batch during the step (ref_logprobs, proximal_logprobs) are not kept
+        # a shallow copy: fields a LossTerm adds to the batch during the step (ref_logprobs, proximal_logprobs) are
+        # not kept
         self._batch = dataclasses.replace(batch) if isinstance(batch, RolloutBatch) else None
         self._rng = rng_state()
         self._steps_in_batch = 0

@@ -41,13 +41,15 @@ def read_prompt_file(path: str | Path, require_answer: bool = True) -> list[Prom
             if "prompt" not in record:
                 raise PromptFileError(f"{where}: missing field 'prompt' (keys: {sorted(record)})")
             if not isinstance(record["prompt"], str):
-                raise PromptFileError(f"{where}: field 'prompt' must be a string, got {type(record['prompt']).__name__}")
+                raise PromptFileError(f"{where}: field 'prompt' must be a string, "
+                                      f"got {type(record['prompt']).__name__}")
             answer = record.get("answer")
             if answer is None and require_answer:
                 null = ", 'answer' is null" if "answer" in record else ""
                 raise PromptFileError(f"{where}: missing field 'answer' (keys: {sorted(record)}{null})")
             if answer is not None and not isinstance(answer, (str, int, float)):
-                raise PromptFileError(f"{where}: field 'answer' must be a string or number, got {type(answer).__name__}")
+                raise PromptFileError(f"{where}: field 'answer' must be a string or number, "
+                                      f"got {type(answer).__name__}")
             metadata = {k: v for k, v in record.items() if k not in ("prompt", "answer")}
             prompts.append(Prompt(record["prompt"], None if answer is None else str(answer), metadata))
     if not prompts:

@@ -108,7 +108,8 @@ class ReachTargetEnv(Environment):
 
     def __init__(self, start: int, target: int, max_moves: int = 10, max_value: int = MAX_VALUE) -> None:
         if not (0 <= start <= max_value and 0 <= target <= max_value) or start == target:
-            raise ValueError(f"ReachTargetEnv: need different start and target in 0..{max_value}, got {start}, {target}")
+            raise ValueError(f"ReachTargetEnv: need different start and target in 0..{max_value}, "
+                             f"got {start}, {target}")
         if max_moves < 1:
             raise ValueError(f"ReachTargetEnv: max_moves must be >= 1, got {max_moves}")
         self.start, self.target, self.max_moves, self.max_value = start, target, max_moves, max_value

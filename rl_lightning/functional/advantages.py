@@ -198,7 +198,7 @@ def kl_penalized_returns(rewards: Tensor, old_logprobs: Tensor, ref_logprobs: Te
     docs/algorithms.md, REINFORCE++): the outcome reward at the last token and a per-token KL penalty in the reward,
     summed to the end (γ = 1)::
 
-        A_{i,t} = R_i - β Σ_{s >= t} KL_{i,s},   KL_{i,s} = log π_old(a_s) - log π_ref(a_s)   (k1, at the sampled tokens)
+        A_{i,t} = R_i - β Σ_{s >= t} KL_{i,s},  KL_{i,s} = log π_old(a_s) - log π_ref(a_s)  (k1, at the sampled tokens)
 
     Args:
         rewards: ``[N]`` outcome rewards (a baseline already subtracted for REINFORCE++-baseline).

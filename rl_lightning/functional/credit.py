@@ -48,7 +48,8 @@ def turn_mask_from_index(turn_index: Tensor) -> Tensor:
     """
     if turn_index.dim() != 2:
         raise ValueError(f"turn_mask_from_index: turn_index must be [N, T], got shape {tuple(turn_index.shape)}")
-    count = turn_index.amax(dim=1).clamp(min=-1) + 1 if turn_index.shape[1] else turn_index.new_zeros(turn_index.shape[0])
+    count = (turn_index.amax(dim=1).clamp(min=-1) + 1 if turn_index.shape[1]
+             else turn_index.new_zeros(turn_index.shape[0]))
     width = max(int(count.max()) if count.numel() else 0, 1)
     return (torch.arange(width, device=turn_index.device) < count.unsqueeze(1)).long()
 

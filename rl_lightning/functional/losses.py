@@ -82,7 +82,8 @@ def aggregation_weights(mask: Tensor, mode: AggregationMode, num_sequences: int 
         return maskf
     if mode == "seq_mean_token_sum_norm":
         if norm_length is None or norm_length <= 0:
-            raise ValueError(f"aggregation seq_mean_token_sum_norm needs norm_length > 0 (the constant L), got {norm_length}")
+            raise ValueError(f"aggregation seq_mean_token_sum_norm needs norm_length > 0 (the constant L), "
+                             f"got {norm_length}")
         return maskf / (n * float(norm_length))
     raise ValueError(f"unknown aggregation mode {mode!r}")
 

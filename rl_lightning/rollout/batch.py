@@ -269,7 +269,8 @@ class RolloutBatch:
         for b in batches[1:]:
             for name in ("group_size", "temperature", "top_p"):
                 if getattr(b, name) != getattr(first, name):
-                    raise ValueError(f"RolloutBatch.concat: {name} differs ({getattr(b, name)} vs {getattr(first, name)})")
+                    raise ValueError(f"RolloutBatch.concat: {name} differs "
+                                     f"({getattr(b, name)} vs {getattr(first, name)})")
             for name in (*_ROW_TENSORS, "end_states"):
                 if (getattr(b, name) is None) != (getattr(first, name) is None):
                     raise ValueError(f"RolloutBatch.concat: {name} is recorded in some batches and not in others")

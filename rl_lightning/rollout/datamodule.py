@@ -96,7 +96,8 @@ class RolloutDataModule(LightningDataModule):
             episodes per prompt; ``GroupRollout(max_turns=k)`` for multi-turn environments). See
             ``rl_lightning.rollout.strategies``.
         prompt_sampler: which stream indices a step draws (``None``: ``SequentialSampler()``, the seeded stream in
-            order; ``WeightedSampler`` draws from a pool by weights a method sets). See ``rl_lightning.rollout.prompts``.
+            order; ``WeightedSampler`` draws from a pool by weights a method sets). See
+            ``rl_lightning.rollout.prompts``.
         record_topk: record, per generated position of training rollouts, the sampling distribution's top-k ids
             and their full-vocabulary log-probs (``RolloutBatch.topk_ids`` / ``topk_logprobs``; Score Centering).
             A method that needs them raises it in ``check_datamodule``.
@@ -236,9 +237,9 @@ class RolloutDataModule(LightningDataModule):
         return needs
 
     def _bind_trained_module(self, required: bool) -> None:
-        """``bind`` the trained module's policy and tokenizer, and hand a ``WeightedSampler`` the module's prompt weights
-        (``module.prompt_weight_fn()``, when it has one that returns a function: SPO's tracker) -- the one place the
-        data module reads its module."""
+        """``bind`` the trained module's policy and tokenizer, and hand a ``WeightedSampler`` the module's prompt
+        weights (``module.prompt_weight_fn()``, when it has one that returns a function: SPO's tracker) -- the one
+        place the data module reads its module."""
         module = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
         if module is not None and hasattr(module, "policy") and hasattr(module, "tokenizer"):
             self.bind(module.policy, module.tokenizer)
@@ -293,7 +294,8 @@ class RolloutDataModule(LightningDataModule):
             try:
                 prompts = self.task.validation_prompts()
             except NotImplementedError as err:
-                raise ValueError(f"data.init_args.eval_split='validation': {err} (docs/environments.md#splits)") from None
+                raise ValueError(f"data.init_args.eval_split='validation': {err} "
+                                 "(docs/environments.md#splits)") from None
         return prompts if self.num_val_prompts is None else prompts[: self.num_val_prompts]
 
     def val_prompt_batches(self) -> list[PromptBatch]:
@@ -302,7 +304,8 @@ class RolloutDataModule(LightningDataModule):
         prompts = self.heldout_prompts()
         mine = list(range(rank, len(prompts), world))
         return [
-            PromptBatch("val", -1, mine[k:k + self.val_batch_size], [prompts[i] for i in mine[k:k + self.val_batch_size]])
+            PromptBatch("val", -1, mine[k:k + self.val_batch_size],
+                        [prompts[i] for i in mine[k:k + self.val_batch_size]])
             for k in range(0, len(mine), self.val_batch_size)
         ]
 

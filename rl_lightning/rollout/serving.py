@@ -3,11 +3,11 @@
 The server never outlives the process that started it, however that process ends:
 
 * the server runs under a **guard**: a small Python process (this file run as a script, its ``main``; it imports
-  nothing but the standard library, so it starts at once) that starts the server in a session (process group) of its own and then waits on a pipe
-  whose write end only the starting process holds. When that process closes it (``stop()``), or dies in any way
-  (an exception, Ctrl-C, ``SIGKILL``, a crash: the kernel closes its descriptors), the guard reads end-of-file,
-  sends ``SIGTERM`` to the server's whole process group, waits ``grace`` seconds, sends ``SIGKILL`` to what is
-  left and exits. The guard also exits (and cleans up) when the server itself exits.
+  nothing but the standard library, so it starts at once) that starts the server in a session (process group) of
+  its own and then waits on a pipe whose write end only the starting process holds. When that process closes it
+  (``stop()``), or dies in any way (an exception, Ctrl-C, ``SIGKILL``, a crash: the kernel closes its descriptors),
+  the guard reads end-of-file, sends ``SIGTERM`` to the server's whole process group, waits ``grace`` seconds, sends
+  ``SIGKILL`` to what is left and exits. The guard also exits (and cleans up) when the server itself exits.
 * ``stop()`` is called by the engine's ``close`` (the data module's teardown) and by an ``atexit`` hook, and is
   idempotent; it waits until the guard, and so the server's group, are gone.
 

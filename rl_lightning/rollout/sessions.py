@@ -170,7 +170,8 @@ class ModuleSession(EngineSession):
 
 
 #: ``complete(histories, budgets, seeds)`` -> per row: (sampled ids, their log-probs, finish reason, extras or None)
-Complete = Callable[[list[list[int]], list[int], list[int | None]], list[tuple[list[int], list[float], str, list | None]]]
+Complete = Callable[[list[list[int]], list[int], list[int | None]],
+                    list[tuple[list[int], list[float], str, list | None]]]
 
 
 class ResubmitSession(EngineSession):

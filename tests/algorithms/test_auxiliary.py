@@ -43,8 +43,9 @@ def test_auxiliary_extra_ids_reach_the_forward_sliced_with_the_rows():
     item = _rows(3)
     ids = torch.arange(3).view(3, 1, 1).expand(3, 1, 2).clone()  # row r asks for ids (r, r)
     seen = []
-    module = SimpleNamespace(forward_policy=lambda rows, model=None, extra_ids=None: seen.append(extra_ids) or SimpleNamespace(),
-                             global_step=0, manual_backward=lambda loss: None)
+    module = SimpleNamespace(
+        forward_policy=lambda rows, model=None, extra_ids=None: seen.append(extra_ids) or SimpleNamespace(),
+        global_step=0, manual_backward=lambda loss: None)
     from rl_lightning.algorithms.auxiliary import run_auxiliary
     from rl_lightning.algorithms.metrics import UpdateMetrics
     with_ids = AuxiliaryRows(item.batch, item.weights, item.loss, extra_ids=ids)

@@ -56,7 +56,8 @@ def _objective_grad(module, p: float, pi: float, advantage: float) -> tuple[floa
     batch = dataclasses.replace(batch, sampler_logprobs=torch.tensor([[math.log(p)]]))
     logprobs = torch.tensor([[math.log(pi)]], requires_grad=True)
     ratio = torch.exp((logprobs - batch.sampler_logprobs) * batch.loss_mask)  # as RLModule.policy_loss makes it
-    objective, _ = module.policy_objective(batch, PolicyOutput(logprobs), ratio, Advantages(torch.tensor([[advantage]])))
+    objective, _ = module.policy_objective(batch, PolicyOutput(logprobs), ratio,
+                                           Advantages(torch.tensor([[advantage]])))
     (grad,) = torch.autograd.grad(objective.sum(), logprobs)
     return float(objective), float(grad)
 
@@ -124,7 +125,8 @@ def test_easyppo_value_loss_with_equal_variances_is_the_plain_value_loss_and_oth
         if equal:
             torch.testing.assert_close(ours, base)
         else:
-            # Var^0.5 = 0.5 and 0 (floored at w_min = 0.01): w ∝ 2 and 100, normalised to mean 1 -> [2, 2, 100, 100] / 51
+            # Var^0.5 = 0.5 and 0 (floored at w_min = 0.01): w ∝ 2 and 100, normalised to mean 1
+            # -> [2, 2, 100, 100] / 51
             torch.testing.assert_close(row.squeeze(-1), torch.tensor([2 / 51, 2 / 51, 100 / 51, 100 / 51]))
             weighted = (0.5 * (values - adv.returns) ** 2 * batch.loss_mask * weights * row).sum()
             torch.testing.assert_close(ours, weighted)

@@ -19,7 +19,8 @@ def _rollout(module):
     dm = tiny_datamodule()
     dm.trainer = fake_trainer(module)
     batch = dm.rollout(dm.prompt_batch(0))
-    batch = replace(batch, rewards=torch.rand(batch.num_rows, generator=torch.Generator().manual_seed(0)))  # graded returns
+    batch = replace(batch, rewards=torch.rand(batch.num_rows,
+                                              generator=torch.Generator().manual_seed(0)))  # graded returns
     return batch
 
 
@@ -130,8 +131,6 @@ def test_every_critic_method_holds_a_critic_learner():
 
 
 def test_a_reference_answer_reaches_the_critic_only():
-    import dataclasses
-
     import pytest
 
     with pytest.raises(ValueError, match="critic_reference needs critic: separate"):

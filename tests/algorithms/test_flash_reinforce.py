@@ -171,7 +171,8 @@ def test_an_all_filtered_batch_gives_zero_loss_and_zero_gradient():
     module = _module(delta=1e-3)
     batch = _batch([4, 2, 3], [1.0, 0.0, 0.5])
     with torch.no_grad():  # the sampler gave every token e^-40 of the learner's probability
-        batch = dataclasses.replace(batch, sampler_logprobs=(module.forward_policy(batch).logprobs - 40.0) * batch.loss_mask)
+        batch = dataclasses.replace(batch,
+                                    sampler_logprobs=(module.forward_policy(batch).logprobs - 40.0) * batch.loss_mask)
     params = list(module.policy.parameters())
     out = module.forward_policy(batch)
     loss, stats = module.policy_loss(batch, out, Advantages(module.compute_advantages(batch).unsqueeze(-1)),

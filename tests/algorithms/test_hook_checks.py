@@ -33,7 +33,8 @@ class FlatAdvantages(GRPO):
 def test_a_hook_output_of_the_wrong_shape_is_refused_naming_the_hook(tmp_path, cls, hook, shape):
     module = cls(model_name_or_path="embedded:arithmetic", optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4))
     # 4 rows of at most 4 tokens: an [n] objective would broadcast against [n, T] without a word
-    with pytest.raises(ValueError, match=rf"^{cls.__name__}\.{hook} returned a tensor of shape .*{re.escape(shape)}") as err:
+    with pytest.raises(ValueError,
+                       match=rf"^{cls.__name__}\.{hook} returned a tensor of shape .*{re.escape(shape)}") as err:
         tiny_trainer(tmp_path, max_steps=1).fit(module, datamodule=tiny_datamodule(prompts_per_step=1, group_size=4))
     assert "\n" not in str(err.value)
 

@@ -71,7 +71,8 @@ def hand_batch() -> RolloutBatch:
     ids = torch.randint(4, 90, (n, p + t), generator=torch.Generator().manual_seed(0)) * attention
     return RolloutBatch(input_ids=ids, attention_mask=attention, prompt_length=p, loss_mask=loss,
                         sampler_logprobs=-torch.rand(n, t) * loss, rewards=torch.tensor([1.0, 0.0, 1.0, 0.0]),
-                        group_size=2, prompt_index=torch.tensor([0, 0, 1, 1]), truncated=torch.zeros(n, dtype=torch.bool),
+                        group_size=2, prompt_index=torch.tensor([0, 0, 1, 1]),
+                        truncated=torch.zeros(n, dtype=torch.bool),
                         obs_mask=obs, turn_index=turns, num_turns=torch.tensor([3, 2, 1, 2]))
 
 
@@ -106,7 +107,8 @@ def test_the_raw_credit_sums_to_reward_minus_group_mean_for_the_frozen_policy_cr
         turns = episodes.turn_index[row]
         per_action = [adv.advantages[row, turns == t][0] for t in range(int(turns.max()) + 1)]
         torch.testing.assert_close(torch.stack(per_action).sum(), episodes.rewards[row] - mean[row])
-    assert module.before_update(episodes, adv, torch.ones(1))["train/hindsight_departure"][0] > 0  # it is no linear split
+    # it is no linear split
+    assert module.before_update(episodes, adv, torch.ones(1))["train/hindsight_departure"][0] > 0
     again = advantages(module, episodes)  # frozen and greedy: the same values every time
     assert torch.equal(again.advantages, adv.advantages)
 

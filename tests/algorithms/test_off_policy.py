@@ -174,7 +174,8 @@ def test_grpo_tis_takes_its_ratio_against_the_learner_before_the_update(monkeypa
     torch.manual_seed(0)
     module = GRPO(model_name_or_path="embedded:random", tis_cap=2.0, num_minibatches=2)
     batch = _rollout(module)
-    batch = dataclasses.replace(batch, rewards=torch.rand(batch.num_rows, generator=torch.Generator().manual_seed(0)))  # no inert rows
+    batch = dataclasses.replace(batch, rewards=torch.rand(batch.num_rows,
+                                                          generator=torch.Generator().manual_seed(0)))  # no inert rows
     _stale(module)
     frozen = copy.deepcopy(module.policy)  # the learner before the update
     seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []

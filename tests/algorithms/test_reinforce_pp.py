@@ -73,9 +73,9 @@ def test_settings_are_validated_and_the_baseline_needs_groups(tmp_path):
 
 
 def test_training_puts_the_kl_to_the_starting_policy_in_the_reward(tmp_path, recorder):
-    """Step 1 samples from the starting policy (KL 0 up to float32 rounding: the reference is its copy); after an update the
-    sampler has moved, so the KL in the reward is no longer 0, and the frozen reference is not a checkpointed
-    submodule."""
+    """Step 1 samples from the starting policy (KL 0 up to float32 rounding: the reference is its copy); after an
+    update the sampler has moved, so the KL in the reward is no longer 0, and the frozen reference is not a
+    checkpointed submodule."""
     module = ReinforcePP(model_name_or_path="embedded:arithmetic", kl_coef=0.1,
                          optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
     tiny_trainer(tmp_path, max_steps=3, callbacks=[recorder]).fit(module, datamodule=tiny_datamodule(group_size=1))

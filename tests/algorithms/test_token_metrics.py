@@ -98,5 +98,6 @@ def test_env_errors_are_logged_for_a_single_turn_batch_that_had_one():
     module = GRPO(model_name_or_path="embedded:random")
     batch = _batch(SPREAD)  # single-turn: num_turns is None
     assert "train/env_errors" not in module.rollout_metrics(batch)
-    batch = dataclasses.replace(batch, env_errors=2)  # e.g. GroupRollout(max_turns=1, env_errors="fail_episode") on an environment that raised
+    # e.g. GroupRollout(max_turns=1, env_errors="fail_episode") on an environment that raised
+    batch = dataclasses.replace(batch, env_errors=2)
     assert module.rollout_metrics(batch)["train/env_errors"].item() == 2.0

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lightning.pytorch import Callback
 
 from rl_lightning.algorithms import Advantages
 from rl_lightning.algorithms.trpo import TRPO

@@ -152,7 +152,8 @@ def test_validation_split_is_apart_from_test_and_training_and_keeps_the_test_spl
     assert len(validation) == len(set(validation)) == 200 and not set(validation) & set(test)
     held = set(test) | set(validation)
     assert not any(task.train_prompt(i).text in held for i in range(3000))
-    assert validation == [p.text for p in ArithmeticTask(num_heldout=300, num_validation=200, seed=7).validation_prompts()]
+    assert validation == [p.text for p in
+                          ArithmeticTask(num_heldout=300, num_validation=200, seed=7).validation_prompts()]
     # without one (num_validation=0, the default) the training stream is the one of the earlier studies: these
     # prompts were printed by the code before the validation split existed
     assert [ArithmeticTask().train_prompt(i).text for i in (0, 1, 2, 100, 1000)] == [

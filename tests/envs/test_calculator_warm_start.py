@@ -85,7 +85,8 @@ def test_the_preset_stacks_on_each_method(method):
     assert data.strategy.class_path == "rl_lightning.rollout.GroupRollout"
     assert data.strategy.init_args.max_turns == 3 == data.task.init_args.max_calls + 1
     assert data.max_new_tokens == 6 and data.val_batch_size >= 100
-    assert config.trainer.logger.init_args.name == "calculator"  # the preset's own runs (run scripts pass their own name)
+    # the preset's own runs (run scripts pass their own name)
+    assert config.trainer.logger.init_args.name == "calculator"
 
 
 def test_the_longest_episode_fits_the_tiny_llama():

@@ -64,7 +64,8 @@ def test_columns_are_mapped_and_a_template_formats_the_row(tmp_path):
     prompts = [*task.heldout_prompts(), *(task.train_prompt(i) for i in range(2))]
     assert {p.text for p in prompts} == {"Level a: 2+2 = ?", "Level b: 3+3 = ?", "Level c: 4+4 = ?"}
     assert all(p.metadata == {} for p in prompts) and not task.needs_chat_template()
-    with pytest.raises(ConfigError, match=r"no column 'answer', 'question' \(columns: \['problem', 'solution', 'level'\]\)"):
+    with pytest.raises(ConfigError,
+                       match=r"no column 'answer', 'question' \(columns: \['problem', 'solution', 'level'\]\)"):
         DatasetTask(str(path))
     with pytest.raises(ConfigError, match=r"no column 'grade'"):
         DatasetTask(str(path), prompt_column="problem", answer_column="solution", template="{grade}")
@@ -87,7 +88,8 @@ def test_a_saved_dataset_dict_gives_its_splits(tmp_path):
     data.save_to_disk(str(tmp_path / "saved"))
     task = DatasetTask(str(tmp_path / "saved"), heldout_path=str(tmp_path / "saved"))
     assert len(task.heldout_prompts()) == 6  # heldout_path read with the same split name ...
-    with pytest.raises(ConfigError, match=r"no split 'validation' in the saved dataset \(splits: \['test', 'train'\]\)"):
+    with pytest.raises(ConfigError,
+                       match=r"no split 'validation' in the saved dataset \(splits: \['test', 'train'\]\)"):
         DatasetTask(str(tmp_path / "saved"), split="validation")
 
 

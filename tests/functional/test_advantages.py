@@ -298,9 +298,9 @@ def test_gae_matches_loop_reference_right_padded():
     values = torch.randn(B, T, generator=gen, dtype=torch.float64)
     lengths = [9, 1, 4, 7, 2, 5]
     mask = torch.tensor([[1] * n + [0] * (T - n) for n in lengths], dtype=torch.float64)
-    for gamma, lam in [(1.0, 0.95), (0.9, 0.8), (0.99, 1.0), (0.5, 0.0)]:
-        adv, ret = gae(rewards, values, mask, gamma=gamma, lam=lam)
-        ref_adv, ref_ret = _ref_gae(rewards, values, mask, gamma, [lam] * B)
+    for discount, lam in [(1.0, 0.95), (0.9, 0.8), (0.99, 1.0), (0.5, 0.0)]:
+        adv, ret = gae(rewards, values, mask, gamma=discount, lam=lam)
+        ref_adv, ref_ret = _ref_gae(rewards, values, mask, discount, [lam] * B)
         torch.testing.assert_close(adv, ref_adv)
         torch.testing.assert_close(ret, ref_ret)
 

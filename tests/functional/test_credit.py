@@ -19,7 +19,8 @@ def mask(*lengths: int, width: int) -> torch.Tensor:
     return (torch.arange(width) < torch.tensor(lengths).unsqueeze(1)).long()
 
 
-def loop_credit(values: list[list[float]], rewards: list[float], group_size: int, lengths: list[int]) -> list[list[float]]:
+def loop_credit(values: list[list[float]], rewards: list[float], group_size: int,
+                lengths: list[int]) -> list[list[float]]:
     """LVRL's recursion by a plain loop: Ṽ_0 = R̄_G, Ṽ_T = R, Ā_t = Ṽ_{t+1} - Ṽ_t."""
     out = []
     for b, (row, reward, length) in enumerate(zip(values, rewards, lengths)):

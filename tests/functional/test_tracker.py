@@ -47,7 +47,8 @@ def test_with_rho_one_from_half_half_the_value_is_the_laplace_like_mean(outcomes
 
 def test_the_discount_halves_per_half_life_and_is_clamped():
     d = torch.tensor([0.0, 0.06, 0.12, 10.0], dtype=torch.float64)
-    torch.testing.assert_close(spo_discount(d, 0.06, 0.1, 1.0), torch.tensor([1.0, 0.5, 0.25, 0.1], dtype=torch.float64))
+    torch.testing.assert_close(spo_discount(d, 0.06, 0.1, 1.0),
+                               torch.tensor([1.0, 0.5, 0.25, 0.1], dtype=torch.float64))
     rho = spo_discount(d)  # the reference's constants: [0.875, 0.96]
     assert rho[0] == 0.96 and rho[-1] == 0.875  # a first visit (D = 0) gives rho_max
     with pytest.raises(ValueError):

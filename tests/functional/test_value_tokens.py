@@ -63,10 +63,12 @@ def test_accuracy_advantages_are_centred_within_each_states_group():
     assert adv.view(2, 3).sum(dim=1).tolist() == pytest.approx([0.0, 0.0], abs=1e-7)
     _, scaled = accuracy_advantages(values, targets, 3, 0.0, 1.0, scale=True)
     std = torch.tensor([-0.5, 0.0, -0.5]).std(unbiased=False).item()
-    assert scaled[:3].tolist() == pytest.approx([(-1 / 6) / (std + 1e-6), (1 / 3) / (std + 1e-6), (-1 / 6) / (std + 1e-6)])
+    assert scaled[:3].tolist() == pytest.approx([(-1 / 6) / (std + 1e-6), (1 / 3) / (std + 1e-6),
+                                                 (-1 / 6) / (std + 1e-6)])
     assert scaled[3:].tolist() == [0.0, 0.0, 0.0]  # no spread: 0
     # normalised by the range: R in [0, 4] halves... quarters the error
-    assert accuracy_advantages(torch.tensor([0.0, 2.0]), torch.tensor([2.0, 2.0]), 2, 0.0, 4.0)[0].tolist() == [-0.5, 0.0]
+    assert (accuracy_advantages(torch.tensor([0.0, 2.0]), torch.tensor([2.0, 2.0]), 2, 0.0, 4.0)[0].tolist()
+            == [-0.5, 0.0])
 
 
 def test_macro_step_returns_bootstrap_only_cut_branches():
@@ -77,7 +79,8 @@ def test_macro_step_returns_bootstrap_only_cut_branches():
     assert g.tolist() == pytest.approx([0.3, 1.0, 0.0, 0.9])  # a terminal end is worth 0, NaN ignored
     assert not g.requires_grad  # V̂ detached in the actor's target
     # every branch terminal: G is the Monte-Carlo return whatever the critic would say
-    assert macro_step_returns(rewards, torch.ones(4, dtype=torch.bool), torch.full((4,), 5.0)).tolist() == rewards.tolist()
+    assert (macro_step_returns(rewards, torch.ones(4, dtype=torch.bool), torch.full((4,), 5.0)).tolist()
+            == rewards.tolist())
 
 
 def test_branch_mean_targets_are_the_mean_over_each_states_branches():

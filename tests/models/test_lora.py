@@ -100,7 +100,8 @@ def test_a_merged_weight_is_w_plus_scaled_b_a_within_float32_rounding():
     module = _module()
     _perturb(module.policy)
     layer = module.policy.model.layers[0].self_attn.q_proj
-    w, a, b = layer.base_layer.weight.double(), layer.lora_A["default"].weight.double(), layer.lora_B["default"].weight.double()
+    w, a, b = (layer.base_layer.weight.double(), layer.lora_A["default"].weight.double(),
+               layer.lora_B["default"].weight.double())
     scale = LORA.alpha / LORA.rank
     exact = w + scale * b @ a
     terms = w.abs() + scale * b.abs() @ a.abs()  # the magnitudes the float32 sum of r products and one add round

@@ -62,7 +62,8 @@ def test_embedded_random_is_tiny_llama():
     cfg = model.config
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.intermediate_size) == (128, 4, 4, 512)
     assert cfg.vocab_size == len(tok) == 99
-    assert (cfg.pad_token_id, cfg.bos_token_id, cfg.eos_token_id) == (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
+    assert ((cfg.pad_token_id, cfg.bos_token_id, cfg.eos_token_id)
+            == (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id))
     assert tok.padding_side == "left"
     assert next(model.parameters()).dtype == torch.float32
     # deterministic: the same weights every time
@@ -117,7 +118,8 @@ def test_embedded_arithmetic_is_sometimes_right():
     ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
     mask = (torch.arange(width) >= torch.tensor([width - len(r) for r in rows])[:, None]).long()
     gen = sample(model.eval(), ids, mask, 6, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, greedy=True)
-    answers = tok.batch_decode([r[m.bool()].tolist() for r, m in zip(gen.response_ids, gen.mask)], skip_special_tokens=True)
+    answers = tok.batch_decode([r[m.bool()].tolist() for r, m in zip(gen.response_ids, gen.mask)],
+                               skip_special_tokens=True)
     correct = sum(a == p.answer for a, p in zip(answers, prompts))
     assert 3 <= correct < 64, answers  # the warm start is "sometimes right"
 

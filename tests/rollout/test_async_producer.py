@@ -3,7 +3,6 @@ the policy, version stamps, the staleness bound, and checkpoints that lose and d
 
 from __future__ import annotations
 
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -156,7 +155,8 @@ def test_a_resumed_asynchronous_fit_trains_on_the_same_stream_steps_as_a_straigh
 
     settings = dict(async_queue=2, max_staleness=10)  # nothing is stale enough to drop here
     straight = RecordRollouts()
-    tiny_trainer(tmp_path / "a", max_steps=5, callbacks=[straight]).fit(module(), datamodule=tiny_datamodule(**settings))
+    tiny_trainer(tmp_path / "a", max_steps=5, callbacks=[straight]).fit(
+        module(), datamodule=tiny_datamodule(**settings))
     first = RecordRollouts()
     trainer = tiny_trainer(tmp_path / "b", max_steps=2, callbacks=[first])
     trainer.fit(module(), datamodule=tiny_datamodule(**settings))

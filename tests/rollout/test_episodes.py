@@ -62,7 +62,8 @@ def module() -> GRPO:
     return GRPO(model_name_or_path="embedded:random")
 
 
-def rollout(module: GRPO, strategy: GroupRollout, task: Task | None = None, step: int = 0, **kwargs: Any) -> RolloutBatch:
+def rollout(module: GRPO, strategy: GroupRollout, task: Task | None = None, step: int = 0,
+            **kwargs: Any) -> RolloutBatch:
     dm = RolloutDataModule(task=task or CountdownTask(), prompts_per_step=2, group_size=3, max_new_tokens=3,
                            strategy=strategy, **kwargs)
     dm.trainer = fake_trainer(module)
@@ -83,7 +84,8 @@ def test_the_trajectory_is_the_sampled_ids_with_the_observation_ids_between_them
             assert positions.numel() >= 1 and (positions.diff() == 1).all()
             assert batch.loss_mask[row, positions].all()
         obs_ids = ids[batch.obs_mask[row].bool()].tolist()
-        assert obs_ids == tok("n1:", add_special_tokens=False)["input_ids"] + tok("n2:", add_special_tokens=False)["input_ids"]
+        assert obs_ids == (tok("n1:", add_special_tokens=False)["input_ids"]
+                           + tok("n2:", add_special_tokens=False)["input_ids"])
         # the observation follows its turn immediately, and the turn before it is model ids
         first_obs = int(batch.obs_mask[row].nonzero()[0])
         assert batch.loss_mask[row, first_obs - 1] == 1 and batch.turn_index[row, first_obs - 1] == 0

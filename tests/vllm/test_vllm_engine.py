@@ -21,7 +21,7 @@ from rl_lightning.algorithms import GRPO
 from rl_lightning.envs import GuessNumberTask
 from rl_lightning.functional.logprobs import sampling_log_softmax
 from rl_lightning.models.policy import load_policy
-from rl_lightning.rollout import GroupRollout, RolloutDataModule, VLLMEngine, sample_episodes
+from rl_lightning.rollout import GroupRollout, RolloutDataModule, VLLMEngine
 from rl_lightning.rollout.engine import SamplingParams
 from tests.conftest import REPO
 from tests.rollout.rollout_helpers import fake_trainer

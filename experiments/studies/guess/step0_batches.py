@@ -55,8 +55,10 @@ def main() -> None:
         r = b.rewards
         found = r > 0
         print(f"seed 1, T={temperature}, step 0: reward {r.mean():.3f}; sampled ids per episode: found "
-              f"{b.loss_mask[found].sum(1).float().mean():.1f}, not found {b.loss_mask[~found].sum(1).float().mean():.1f}")
-        for name, adv, mode in [("GRPO (R - mu_G) / sigma_G, seq_mean_token_mean", group_advantages(r, 8), "seq_mean_token_mean"),
+              f"{b.loss_mask[found].sum(1).float().mean():.1f}, "
+              f"not found {b.loss_mask[~found].sum(1).float().mean():.1f}")
+        for name, adv, mode in [("GRPO (R - mu_G) / sigma_G, seq_mean_token_mean", group_advantages(r, 8),
+                                 "seq_mean_token_mean"),
                                 ("R - mean(R), seq_mean_token_sum (REINFORCE's)", r - r.mean(), "seq_mean_token_sum"),
                                 ("R - mean(R), seq_mean_token_mean", r - r.mean(), "seq_mean_token_mean")]:
             w = aggregation_weights(b.loss_mask, mode)
