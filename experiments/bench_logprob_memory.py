@@ -50,8 +50,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from rl_lightning.functional.logprobs import (  # noqa: E402
-    _chunk_values_autograd,
-    _position_chunks,
+    chunk_values_autograd,
+    position_chunks,
     sampling_log_softmax,
     sampling_logprobs,
 )
@@ -87,8 +87,8 @@ def checkpointed(chunk_size):
         B, T_ = tokens.shape
         lp = torch.empty(B, T_, device=logits.device)  # filled by (differentiable) slice assignment
         ent = torch.empty(B, T_, device=logits.device) if with_entropy else None
-        for idx in _position_chunks(B, T_, chunk_size):
-            a, e = checkpoint(_chunk_values_autograd, logits[idx], tokens[idx].unsqueeze(-1), TEMPERATURE, TOP_P,
+        for idx in position_chunks(B, T_, chunk_size):
+            a, e = checkpoint(chunk_values_autograd, logits[idx], tokens[idx].unsqueeze(-1), TEMPERATURE, TOP_P,
                               with_entropy, use_reentrant=False)
             lp[idx] = a.squeeze(-1)
             if with_entropy:

@@ -108,9 +108,9 @@ def _logger_config(config: Namespace) -> Namespace | None:
 def run_callbacks(identity: dict[str, Any], trainer_config: dict[str, Any]) -> list[Callback]:
     """The callbacks every run of the CLI has, after the configured ones (``trainer_defaults["callbacks"]``).
 
-    ``identity`` (``runs.run_identity``) goes into every checkpoint; ``GracefulInterrupt``, ``FailureDump``, ``ConstantRewardWarning`` and
-    ``FinalCheckpoint`` join unless ``trainer_config`` (the instantiated ``trainer`` settings) holds one already; ``RLProgressBar``
-    unless it disables the bar or sets another one.
+    ``identity`` (``runs.run_identity``) goes into every checkpoint; ``GracefulInterrupt``, ``FailureDump``,
+    ``ConstantRewardWarning`` and ``FinalCheckpoint`` join unless ``trainer_config`` (the instantiated ``trainer``
+    settings) holds one already; ``RLProgressBar`` unless it disables the bar or sets another one.
     """
     given = trainer_config.get("callbacks") or []
     given = given if isinstance(given, list) else [given]
@@ -394,7 +394,7 @@ def configuration_error(exc: BaseException) -> BaseException | None:
 def runtime_failure(exc: BaseException) -> BaseException | None:
     """A failure of the run itself that the user must act on (a reward function that raised, a non-finite loss
     or rollout), as opposed to a bug: the exception of that kind along ``exc``'s chain, or ``None``."""
-    from rl_lightning.algorithms.base import NonFiniteLossError
+    from rl_lightning.algorithms.checks import NonFiniteLossError
     from rl_lightning.envs.base import RewardError
 
     seen: set[int] = set()
@@ -460,7 +460,7 @@ def _section(exc: BaseException) -> str:
     return section
 
 
-def _negative_values(args: list[str]) -> list[str]:
+def join_negative_values(args: list[str]) -> list[str]:
     """``--key -1e-4`` -> ``--key=-1e-4`` (argparse would take the negative number for an option)."""
     out: list[str] = []
     for arg in args:
@@ -487,7 +487,7 @@ def cli_main(argv: list[str] | None = None) -> None:
         raise SystemExit(export_main(args[1:], build_cli))
     if args and args[0] == "generate":
         raise SystemExit(generate_main(args[1:], build_cli))
-    args = _negative_values(args)
+    args = join_negative_values(args)
     traceback_wanted = bool(os.environ.get("RL_LIGHTNING_TRACEBACK"))
     if argv is None:  # LightningCLI reads sys.argv itself (and warns when given both)
         sys.argv[1:] = args
@@ -512,7 +512,8 @@ def cli_main(argv: list[str] | None = None) -> None:
             where = getattr(failure, "failure_dir", None) or getattr(exc, "failure_dir", None)
             step = getattr(failure, "failure_step", None) or getattr(exc, "failure_step", None)
             at = f" at step {step}" if step is not None and f"step {step}" not in str(failure) else ""
-            saved = f" -- the failed step is saved in {where}; re-run it with: rl-lightning replay {where}" if where else ""
+            saved = (f" -- the failed step is saved in {where}; re-run it with: rl-lightning replay {where}"
+                     if where else "")
             _fail(f"{type(failure).__name__}{at}: {failure}{saved}", 1)
         if root is not None:
             _fail(str(root), 2, _section(exc))

@@ -11,7 +11,7 @@ import pytest
 
 from rl_lightning import config_check
 from rl_lightning.callbacks import compat
-from rl_lightning.cli import _negative_values, cli_main
+from rl_lightning.cli import join_negative_values, cli_main
 from tests.conftest import REPO
 
 GRPO = REPO / "configs" / "grpo.yaml"
@@ -75,9 +75,9 @@ def test_the_optimizer_is_set_in_one_place_only(capsys):
 
 
 def test_negative_values_are_joined_to_their_option():
-    assert _negative_values(["--a.lr", "-1e-4", "--b", "-3", "--c", "-.5", "--d", "x", "-x"]) == [
+    assert join_negative_values(["--a.lr", "-1e-4", "--b", "-3", "--c", "-.5", "--d", "x", "-x"]) == [
         "--a.lr=-1e-4", "--b=-3", "--c=-.5", "--d", "x", "-x"]
-    assert _negative_values(["--a=-1", "-2"]) == ["--a=-1", "-2"]  # already joined: left alone
+    assert join_negative_values(["--a=-1", "-2"]) == ["--a=-1", "-2"]  # already joined: left alone
 
 
 def test_the_check_reads_a_classs_arguments_as_jsonargparse_does():

@@ -3,8 +3,8 @@
 from rl_lightning.algorithms.ac2 import AC2
 from rl_lightning.algorithms.advantages import Advantages
 from rl_lightning.algorithms.auxiliary import AuxiliaryRows
-from rl_lightning.algorithms.base import NonFiniteLossError, RLModule
-from rl_lightning.algorithms.checks import check_settings
+from rl_lightning.algorithms.base import RLModule
+from rl_lightning.algorithms.checks import NonFiniteLossError, check_settings
 from rl_lightning.algorithms.protocols import LossTerm
 from rl_lightning.algorithms.bpco import BPCO
 from rl_lightning.algorithms.cispo import CISPO

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from rl_lightning.algorithms.advantages import Advantages, checked_advantages
 from rl_lightning.algorithms.auxiliary import AuxiliaryRows, run_auxiliary
 from rl_lightning.algorithms.checks import (
-    NonFiniteLossError, check_finite, check_hook_output, check_settings, warn_misspelt_hooks,
+    check_finite, check_hook_output, check_module_settings, warn_misspelt_hooks,
 )
 from rl_lightning.algorithms.distributed import Ranks, shard_module
 from rl_lightning.algorithms.evaluation import HeldoutEvaluation
@@ -95,22 +95,18 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
         share_prompt_forward: bool = True, loss_norm_length: int | None = None, lora: LoraSettings | None = None,
     ) -> None:
         super().__init__()
-        flags = {"skip_inert_rows": skip_inert_rows, "length_bucketing": length_bucketing,
-                 "share_prompt_forward": share_prompt_forward}
-        counts = {"num_iterations": num_iterations, "num_minibatches": num_minibatches,
-                  "logprob_chunk_size": logprob_chunk_size}
-        check_settings(self, [(k, v, isinstance(v, bool), "must be true or false") for k, v in flags.items()] + [
-            (k, v, v >= 1, "must be >= 1") for k, v in counts.items()] + [
-            ("micro_batch_size", micro_batch_size, micro_batch_size is None or micro_batch_size >= 1, "must be >= 1 or null"),
-            ("max_grad_norm", max_grad_norm, max_grad_norm is None or max_grad_norm > 0, "must be > 0 or null"),
-            ("loss_norm_length", loss_norm_length, (loss_norm_length or 0) >= 1 or loss_aggregation != "seq_mean_token_sum_norm",
-             "must be >= 1 with loss_aggregation seq_mean_token_sum_norm (the constant length normaliser)")])
+        check_module_settings(self, dict(skip_inert_rows=skip_inert_rows, length_bucketing=length_bucketing,
+                                         share_prompt_forward=share_prompt_forward),
+                              dict(num_iterations=num_iterations, num_minibatches=num_minibatches,
+                                   logprob_chunk_size=logprob_chunk_size),
+                              micro_batch_size, max_grad_norm, loss_norm_length, loss_aggregation)
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "lora"])
         self.hparams["lora"] = asdict(lora) if lora is not None else None  # plain data in checkpoints
         self.optimizer_factory, self.lr_scheduler_factory = optimizer, lr_scheduler
-        self.num_iterations, self.num_minibatches, self.micro_batch_size = num_iterations, num_minibatches, micro_batch_size
-        self.loss_aggregation, self.max_grad_norm, self.logprob_chunk_size = loss_aggregation, max_grad_norm, logprob_chunk_size
-        self.seed, self.skip_inert_rows, self.length_bucketing = seed, skip_inert_rows, length_bucketing
+        self.num_iterations, self.num_minibatches = num_iterations, num_minibatches
+        self.micro_batch_size, self.loss_aggregation = micro_batch_size, loss_aggregation
+        self.max_grad_norm, self.logprob_chunk_size, self.seed = max_grad_norm, logprob_chunk_size, seed
+        self.skip_inert_rows, self.length_bucketing = skip_inert_rows, length_bucketing
         self.share_prompt_forward, self.loss_norm_length = share_prompt_forward, loss_norm_length
         self.policy, self.tokenizer = load_policy(model_name_or_path, dtype)
         if lora is not None:  # only the adapters train; checkpoints hold them, not the base (reloaded from its path)
@@ -141,7 +137,8 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
 
     def policy_objective(self, batch: RolloutBatch, out: PolicyOutput, ratio: Tensor,
                          adv: Advantages) -> tuple[Tensor, Metrics]:
-        """``[n, T]`` the per-token objective to maximise from the ratio ``ρ`` (torchrl's ``_compute_policy_objective``)."""
+        """``[n, T]`` the per-token objective to maximise from the ratio ``ρ`` (torchrl's
+        ``_compute_policy_objective``)."""
         raise NotImplementedError(f"{type(self).__name__} must implement policy_objective or policy_loss")
 
     def ratio_reference(self, batch: RolloutBatch, out: PolicyOutput) -> Tensor:
@@ -233,7 +230,8 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
                     self.manual_backward(loss)
                 metrics.add_loss(loss, stats, mb.batch.loss_mask.sum().float())
             run_auxiliary(self, step.auxiliary, metrics, step.iteration, step.index)
-            metrics.add_summed(self.inert_row_metrics(plan.batch, step.idle, plan.weights) if bool(step.idle.any()) else {})
+            idle = self.inert_row_metrics(plan.batch, step.idle, plan.weights) if bool(step.idle.any()) else {}
+            metrics.add_summed(idle)
             metrics.end_optimizer_step()
             self._optimizer_step(optimizer, metrics, step)
         self.forwarded_rows = plan.forwarded
@@ -298,4 +296,5 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
         grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm  # FSDP: the global norm
         check_finite(grad_norm, "gradient norm", self.global_step, step.iteration, step.index)
         metrics.add("train/grad_norm", grad_norm)
-        (optimizer.step if step.last else optimizer.optimizer.step)()  # only the last is Lightning's: global_step counts batches
+        # only the last step is Lightning's, so that global_step counts rollout batches
+        (optimizer.step if step.last else optimizer.optimizer.step)()

@@ -36,6 +36,21 @@ def check_settings(owner: Any, rules: Iterable[tuple[str, Any, bool, str]], own:
             raise ConfigError(f"{type(owner).__name__}: {name} {rule}, got {value!r}")
 
 
+def check_module_settings(owner: Any, flags: dict[str, Any], counts: dict[str, Any], micro_batch_size: Any,
+                          max_grad_norm: Any, loss_norm_length: Any, loss_aggregation: str) -> None:
+    """``RLModule``'s own settings (``check_settings``): ``flags`` true or false, ``counts`` >= 1, a micro-batch
+    size and a gradient-norm clip positive or null, and the constant length normaliser set where the aggregation
+    divides by it."""
+    check_settings(owner, [(k, v, isinstance(v, bool), "must be true or false") for k, v in flags.items()] + [
+        (k, v, v >= 1, "must be >= 1") for k, v in counts.items()] + [
+        ("micro_batch_size", micro_batch_size, micro_batch_size is None or micro_batch_size >= 1,
+         "must be >= 1 or null"),
+        ("max_grad_norm", max_grad_norm, max_grad_norm is None or max_grad_norm > 0, "must be > 0 or null"),
+        ("loss_norm_length", loss_norm_length,
+         (loss_norm_length or 0) >= 1 or loss_aggregation != "seq_mean_token_sum_norm",
+         "must be >= 1 with loss_aggregation seq_mean_token_sum_norm (the constant length normaliser)")])
+
+
 def check_hook_output(owner: Any, hook: str, value: Any, shapes: Iterable[tuple[int, ...]], what: str) -> None:
     """Raise ``ValueError("<Class>.<hook> returned ... ; expected ...")`` unless ``value`` is a tensor of one of
     ``shapes`` (``what`` says what the shape means, e.g. ``"[n, T]: one value per token of the micro-batch"``)."""

@@ -115,8 +115,10 @@ def clip_metrics(stats: Any) -> dict[str, MetricValue]:
     """The ``train/...`` token means of a clipped surrogate's ``functional.PolicyLossStats`` (PPO, GRPO, BPCO's
     divergence clip)."""
     return {
-        "train/clip_fraction": TokenMean(stats.clip_fraction), "train/clip_fraction_low": TokenMean(stats.clip_fraction_low),
-        "train/clip_fraction_high": TokenMean(stats.clip_fraction_high), "train/ratio_mean": TokenMean(stats.ratio_mean),
+        "train/clip_fraction": TokenMean(stats.clip_fraction),
+        "train/clip_fraction_low": TokenMean(stats.clip_fraction_low),
+        "train/clip_fraction_high": TokenMean(stats.clip_fraction_high),
+        "train/ratio_mean": TokenMean(stats.ratio_mean),
         "train/approx_kl": TokenMean(stats.approx_kl),
     }
 
@@ -145,7 +147,8 @@ def rollout_metrics(batch: Any) -> dict[str, Tensor]:
     episodes = {} if batch.num_turns is None else {"train/num_turns": batch.num_turns.float().mean()}
     if batch.num_turns is not None or batch.env_errors:
         episodes["train/env_errors"] = torch.tensor(float(batch.env_errors))
-    parts = {f"train/{key}": value.float().nanmean() for key, value in batch.extras.items() if key.startswith("reward/")}
+    parts = {f"train/{key}": value.float().nanmean() for key, value in batch.extras.items()
+             if key.startswith("reward/")}
     return {**episodes, **parts,
             "train/reward": rewards.mean(),
             "train/reward_std": rewards.std(unbiased=False),

@@ -245,7 +245,8 @@ def rollout_weights(batch: RolloutBatch, mode: Any, ranks: Any, norm_length: flo
     weights scaled by ``W`` (DDP averages gradients), so the result equals one process holding every rank's rows."""
     if ranks.world_size == 1:
         return aggregation_weights(batch.loss_mask, mode, norm_length=norm_length)
-    counts = ranks.sum(torch.tensor([float(batch.num_rows), float(batch.loss_mask.sum())], device=batch.loss_mask.device))
+    counts = ranks.sum(torch.tensor([float(batch.num_rows), float(batch.loss_mask.sum())],
+                                    device=batch.loss_mask.device))
     return aggregation_weights(batch.loss_mask, mode, num_sequences=int(counts[0]),
                                num_tokens=float(counts[1]), norm_length=norm_length) * ranks.world_size
 

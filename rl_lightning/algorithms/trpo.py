@@ -33,8 +33,8 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from rl_lightning.algorithms.advantages import Advantages
-from rl_lightning.algorithms.base import Metrics, NonFiniteLossError, PolicyOutput, RLModule
-from rl_lightning.algorithms.checks import check_settings
+from rl_lightning.algorithms.base import Metrics, PolicyOutput, RLModule
+from rl_lightning.algorithms.checks import NonFiniteLossError, check_settings
 from rl_lightning.algorithms.critic import CriticLearner
 from rl_lightning.algorithms.natural_gradient import (
     apply_step, fisher_logits, step_metrics, trust_region_step, vocab_logprobs,

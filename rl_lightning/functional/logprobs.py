@@ -65,7 +65,7 @@ def sampling_log_softmax(logits: Tensor, temperature: float = 1.0, top_p: float 
     return torch.log_softmax(sampling_logits(logits, temperature, top_p, keep), dim=-1)
 
 
-def _position_chunks(batch: int, width: int, chunk_size: int) -> Iterator[tuple]:
+def position_chunks(batch: int, width: int, chunk_size: int) -> Iterator[tuple]:
     """Index tuples into ``[B, T, ...]`` covering every position once, at most ``chunk_size`` positions each.
 
     Chunks are whole rows (``logits[r0:r1]``) when ``chunk_size >= T``, else slices of one row
@@ -102,7 +102,7 @@ def _chunk_values(logits: Tensor, ids: Tensor, temperature: float, top_p: float,
     return lp, ent
 
 
-def _chunk_values_autograd(logits: Tensor, ids: Tensor, temperature: float, top_p: float,
+def chunk_values_autograd(logits: Tensor, ids: Tensor, temperature: float, top_p: float,
                            with_entropy: bool) -> tuple[Tensor, Tensor | None]:
     """``(logprobs [..., J], entropy or None)`` of one chunk with out-of-place, differentiable ops (double
     backward)."""
@@ -147,9 +147,9 @@ class _SamplingLogprobs(torch.autograd.Function):
         batch, width = ids.shape[:2]
         if torch.is_grad_enabled():  # create_graph=True: differentiable recomputation, chunk by chunk
             grad = torch.zeros_like(logits)
-            for idx in _position_chunks(batch, width, chunk_size):
+            for idx in position_chunks(batch, width, chunk_size):
                 chunk = logits[idx]
-                lp, e = _chunk_values_autograd(chunk, ids[idx], temperature, top_p, with_entropy)
+                lp, e = chunk_values_autograd(chunk, ids[idx], temperature, top_p, with_entropy)
                 outs, grads = [], []
                 if grad_lp is not None:
                     outs.append(lp), grads.append(grad_lp[idx])
@@ -158,7 +158,7 @@ class _SamplingLogprobs(torch.autograd.Function):
                 grad[idx] = torch.autograd.grad(outs, chunk, grads, create_graph=True)[0]
             return (grad, *none)
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        for idx in _position_chunks(batch, width, chunk_size):
+        for idx in position_chunks(batch, width, chunk_size):
             chunk_ids = ids[idx]
             logp = torch.log_softmax(sampling_logits(logits[idx], temperature, top_p, chunk_ids[..., 0]), dim=-1)
             g_ids = None
@@ -192,7 +192,7 @@ def _chunked_values(logits: Tensor, ids: Tensor, temperature: float, top_p: floa
     lp = torch.empty(batch, width, count, dtype=torch.float32, device=logits.device)
     ent = torch.empty(batch, width, dtype=torch.float32, device=logits.device) if with_entropy else None
     with torch.no_grad():
-        for idx in _position_chunks(batch, width, chunk_size):
+        for idx in position_chunks(batch, width, chunk_size):
             lp[idx], e = _chunk_values(logits[idx], ids[idx], temperature, top_p, with_entropy)
             if with_entropy:
                 ent[idx] = e

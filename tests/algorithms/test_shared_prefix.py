@@ -1,8 +1,8 @@
 """The shared prompt forward (issue 14, item 1): a prompt that several rows share runs once, in the update and in
 generation's prefill, with the same result as the plain path.
 
-* ``forward.shared_prompt_forward`` (``RLModule.forward_policy``): log-probs, entropies and hidden states, and in ``update``
-  the loss and every parameter's gradient, equal those of one forward of every row -- for GRPO and PPO (whose
+* ``forward.shared_prompt_forward`` (``RLModule.forward_policy``): log-probs, entropies and hidden states, and in
+  ``update`` the loss and every parameter's gradient, equal those of one forward of every row -- for GRPO and PPO (whose
   shared critic reads the hidden states), on the embedded Llama and on GPT-2 (learned absolute positions, fused
   q/k/v, another cache code path; Qwen2 too at the forward level), for whole-batch and odd micro-batches, with and
   without length bucketing, with shuffled minibatches, and on batches where some groups do not share a prompt.
@@ -327,7 +327,8 @@ def test_episodes_share_only_the_first_observations_that_are_equal(monkeypatch, 
                            strategy=GroupRollout(max_turns=2))
     dm.trainer = fake_trainer(module)
     batch = _off_policy(module, dm.rollout(dm.prompt_batch(0)))
-    batch = dataclasses.replace(batch, rewards=torch.tensor([1.0, 0.0, 0.5, 0.0, 1.0, 0.25]))  # spread in both groups: every row has a gradient
+    # spread in both groups: every row has a gradient
+    batch = dataclasses.replace(batch, rewards=torch.tensor([1.0, 0.0, 0.5, 0.0, 1.0, 0.25]))
     first, inverse = distinct_rows(batch.input_ids[:, :batch.prompt_length])
     groups = inverse.view(-1, 3)
     if isinstance(task, _SeededStartTask):  # 3 different starts per group, each shared with the other group
@@ -360,7 +361,8 @@ def test_sharing_switches_off_where_it_cannot_be_exact():
     functional_dropout = _qwen2(vocab, attention_dropout=0.1)
     assert not can_share_prompts(functional_dropout) and can_share_prompts(functional_dropout.eval())
     checkpointed = _qwen2(vocab)
-    enable = getattr(checkpointed, "activation_checkpointing_enable", None) or checkpointed.gradient_checkpointing_enable
+    enable = (getattr(checkpointed, "activation_checkpointing_enable", None)
+              or checkpointed.gradient_checkpointing_enable)
     enable()
     assert not can_share_prompts(checkpointed)
     assert not can_share_prompts(ScriptedLM([[3]], vocab))  # not a Hugging Face model: no cache to trust

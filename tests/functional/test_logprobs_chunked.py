@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rl_lightning.functional import sampling_logits, sampling_logprobs
-from rl_lightning.functional.logprobs import _position_chunks
+from rl_lightning.functional.logprobs import position_chunks
 from tests.tolerances import (
     entropy_tolerance, gamma, log_softmax_tolerance, softmax_gradient_tolerance, unit_roundoff,
 )
@@ -216,7 +216,7 @@ def test_backward_saves_no_vocab_sized_float_tensor():
                                                      (3, 5, 100), (1, 1, 1)])
 def test_position_chunks_cover_every_position_once_within_the_bound(batch, width, chunk_size):
     count = torch.zeros(batch, width, dtype=torch.long)
-    for idx in _position_chunks(batch, width, chunk_size):
+    for idx in position_chunks(batch, width, chunk_size):
         assert count[idx].numel() <= chunk_size
         count[idx] += 1
     assert (count == 1).all()
