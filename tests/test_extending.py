@@ -216,8 +216,8 @@ def test_prioritized_grpo_draws_the_prompts_it_fails_more_often(tmp_path):
     weights = module.prompt_weights(pool)
     for prompt, weight in zip(pool, weights.tolist()):  # weight = 1 - running success + floor
         assert weight == pytest.approx(1.0 - module.success.get(prompt.uid, 0.0) + 0.01)
-    with pytest.raises(ValueError, match="needs data.init_args.prompt_sampler"):
-        module.check_datamodule(RolloutDataModule(task=ArithmeticTask(num_heldout=4)))
+    with pytest.raises(ValueError, match="PrioritizedGRPO weights the prompts it draws .*prompt_sampler must"):
+        RolloutDataModule(task=ArithmeticTask(num_heldout=4)).take_inputs(module.rollout_inputs(), "PrioritizedGRPO")
 
 
 class _Capture(Callback):
@@ -302,8 +302,8 @@ def test_the_branching_example_continues_from_stored_end_states(tmp_path):
 
     branching = _example("branching")
     module = branching.ReplayGRPO(model_name_or_path="embedded:guess", replay=2, horizon=2)
-    with pytest.raises(ValueError, match="needs data.init_args.strategy to be a BranchRollout"):
-        module.check_datamodule(RolloutDataModule(task=GuessNumberTask(), group_size=4))
+    with pytest.raises(ValueError, match="ReplayGRPO sets where its rollouts start .* must be a .*BranchRollout"):
+        RolloutDataModule(task=GuessNumberTask(), group_size=4).take_inputs(module.rollout_inputs(), "ReplayGRPO")
     dm = RolloutDataModule(task=GuessNumberTask(), prompts_per_step=2, group_size=4, max_new_tokens=3,
                            strategy=BranchRollout(n=4, max_turns=5, max_episode_tokens=32))
     capture = _Capture()

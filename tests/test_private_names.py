@@ -42,6 +42,7 @@ def test_the_check_finds_a_private_import_from_another_package_and_allows_one_wi
     inside = tmp_path / "rl_lightning" / "rollout" / "branching.py"
     inside.write_text("from rl_lightning.rollout.strategies import GroupRollout, _Episodes\n")
     outside = tmp_path / "tests" / "test_x.py"
-    outside.write_text("import os\nfrom rl_lightning.cli import _helper, cli_main\nfrom rl_lightning import __version__\n")
+    outside.write_text("import os\nfrom rl_lightning.cli import _helper, cli_main\n"
+                       "from rl_lightning import __version__\n")
     assert private_imports(inside, tmp_path) == []
     assert private_imports(outside, tmp_path) == ["tests/test_x.py:2: rl_lightning.cli._helper"]

@@ -9,7 +9,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from rl_lightning.algorithms import GRPO
-from rl_lightning.rollout import Branch, BranchRollout, BranchStore, PromptBatch, RolloutBatch
+from rl_lightning.rollout import Branch, BranchStore, PromptBatch, RolloutBatch, RolloutInputs
 
 
 class ReplayGRPO(GRPO):
@@ -24,11 +24,10 @@ class ReplayGRPO(GRPO):
         self.store = BranchStore(capacity)  # checkpointed below as plain values (weights_only loads it)
 
     @override
-    def check_datamodule(self, datamodule: Any) -> None:
-        super().check_datamodule(datamodule)
-        if not isinstance(datamodule.strategy, BranchRollout):
-            raise ValueError("ReplayGRPO needs data.init_args.strategy to be a BranchRollout")
-        datamodule.strategy.branches_from(self.branches)
+    def rollout_inputs(self) -> RolloutInputs:
+        """Declared once: the data module's ``BranchRollout`` calls ``branches`` at every step (another strategy is
+        refused, naming ``data.init_args.strategy``)."""
+        return RolloutInputs(branches=self.branches)
 
     def branches(self, step: int, prompts: PromptBatch) -> list[Branch]:
         """The step's prompts from their start, then replayed end states (seeded by the step)."""

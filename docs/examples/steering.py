@@ -15,7 +15,7 @@ from typing_extensions import override
 
 from rl_lightning.algorithms import GRPO
 from rl_lightning.envs import Environment, Prompt, Task
-from rl_lightning.rollout import RolloutBatch, WeightedSampler
+from rl_lightning.rollout import RolloutBatch, RolloutInputs
 
 
 class CountdownEnv(Environment):
@@ -69,11 +69,10 @@ class PrioritizedGRPO(GRPO):
         self.success: dict[int, float] = {}  # Prompt.uid -> running success (saved in checkpoints below)
 
     @override
-    def check_datamodule(self, datamodule: Any) -> None:
-        super().check_datamodule(datamodule)
-        if not isinstance(datamodule.prompt_sampler, WeightedSampler):
-            raise ValueError("PrioritizedGRPO needs data.init_args.prompt_sampler to be a WeightedSampler")
-        datamodule.prompt_sampler.weights_from(self.prompt_weights)
+    def rollout_inputs(self) -> RolloutInputs:
+        """Declared once: the data module hands ``prompt_weights`` to its ``WeightedSampler`` (and refuses another
+        sampler, naming ``data.init_args.prompt_sampler``)."""
+        return RolloutInputs(prompt_weights=self.prompt_weights)
 
     def prompt_weights(self, prompts: Sequence[Prompt]) -> torch.Tensor:
         """Read by the sampler when a step's prompts are drawn (after the previous update)."""

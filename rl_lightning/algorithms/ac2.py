@@ -40,6 +40,7 @@ from rl_lightning.algorithms.grpo import GRPO
 from rl_lightning.algorithms.readiness import AuditItem, CriticReadiness
 from rl_lightning.rollout.batch import RolloutBatch
 from rl_lightning.rollout.branching import Branch, BranchRollout, BranchStore
+from rl_lightning.rollout.inputs import RolloutInputs
 
 #: ``Advantages.rows`` keys: each row's value ``v_i``, its prefix's ``v̄``, whether the critic valued it / a
 #: completion did
@@ -86,7 +87,11 @@ class AC2(GRPO):
             raise ValueError("AC2: data.init_args.async_queue must be 0 (the update fills the store the rollout reads)")
         self.critic.grid_ids(self.tokenizer)
         self.max_new_tokens = int(datamodule.max_new_tokens)
-        datamodule.strategy.branches_from(self.branches)
+
+    @override
+    def rollout_inputs(self) -> RolloutInputs:
+        """Each step's rollouts start from ``branches``."""
+        return RolloutInputs(branches=self.branches)
 
     def branches(self, step: int, prompts: Any) -> list[Branch]:
         """The step's prompts (empty prefix), then ``replay`` stored prefixes; a chunk's budget each."""

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from rl_lightning.algorithms.advantages import Advantages, checked_advantages
 from rl_lightning.algorithms.auxiliary import AuxiliaryRows, run_auxiliary
 from rl_lightning.algorithms.checks import (
-    check_finite, check_hook_output, check_module_settings, warn_misspelt_hooks,
+    build_optimizer, check_finite, check_hook_output, check_module_settings, warn_misspelt_hooks,
 )
 from rl_lightning.algorithms.distributed import Ranks, shard_module
 from rl_lightning.algorithms.evaluation import HeldoutEvaluation
@@ -38,6 +38,7 @@ from rl_lightning.functional import AggregationMode, aggregate
 from rl_lightning.models.adapters import LoraSettings, add_lora, omit_frozen_weights
 from rl_lightning.models.policy import DType, load_policy
 from rl_lightning.rollout.batch import RolloutBatch
+from rl_lightning.rollout.inputs import RolloutInputs
 
 class RLModule(LearnerForward, StepLogging, LightningModule):
     """Base of every algorithm: policy, optimiser, the step template and its hooks.
@@ -96,10 +97,9 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
     ) -> None:
         super().__init__()
         check_module_settings(self, dict(skip_inert_rows=skip_inert_rows, length_bucketing=length_bucketing,
-                                         share_prompt_forward=share_prompt_forward),
-                              dict(num_iterations=num_iterations, num_minibatches=num_minibatches,
-                                   logprob_chunk_size=logprob_chunk_size),
-                              micro_batch_size, max_grad_norm, loss_norm_length, loss_aggregation)
+                                         share_prompt_forward=share_prompt_forward), dict(
+            num_iterations=num_iterations, num_minibatches=num_minibatches, logprob_chunk_size=logprob_chunk_size),
+            micro_batch_size, max_grad_norm, loss_norm_length, loss_aggregation)
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "lora"])
         self.hparams["lora"] = asdict(lora) if lora is not None else None  # plain data in checkpoints
         self.optimizer_factory, self.lr_scheduler_factory = optimizer, lr_scheduler
@@ -182,6 +182,10 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
     def check_datamodule(self, datamodule: Any) -> None:
         """Refuse data settings the method cannot use (called at setup). Default: accept everything."""
 
+    def rollout_inputs(self) -> RolloutInputs:
+        """What the method's rollouts need from it (branches, prompt weights), read once by the data module."""
+        return RolloutInputs()
+
     def rollout_metrics(self, batch: RolloutBatch) -> dict[str, Tensor]:
         """The step's rollout metrics (``metrics.rollout_metrics``); a method may add its own."""
         return rollout_metrics(batch)
@@ -258,17 +262,12 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
     @property
     def val_history(self) -> list[tuple[int, float]]:
         """``(step, val/reward)`` of every held-out evaluation of this run (``HeldoutEvaluation.history``)."""
-        found = [cb for cb in self.trainer.callbacks if isinstance(cb, HeldoutEvaluation)] if self._trainer else []
-        return found[0].history if found else []
+        callbacks = self.trainer.callbacks if self._trainer else []
+        return next((cb.history for cb in callbacks if isinstance(cb, HeldoutEvaluation)), [])
 
     def configure_optimizers(self) -> Any:
-        try:
-            optimizer = self.optimizer_factory(self.parameter_groups())
-        except (ValueError, TypeError) as err:  # e.g. torch's "Invalid learning rate: -0.0001"
-            raise ValueError(f"model.init_args.optimizer: the optimiser refused its settings: {err}") from None
-        if self.lr_scheduler_factory is None:
-            return optimizer
-        return {"optimizer": optimizer, "lr_scheduler": self.lr_scheduler_factory(optimizer)}
+        optimizer, make = build_optimizer(self.optimizer_factory, self.parameter_groups()), self.lr_scheduler_factory
+        return optimizer if make is None else {"optimizer": optimizer, "lr_scheduler": make(optimizer)}
 
     def setup(self, stage: str) -> None:
         datamodule = getattr(self.trainer, "datamodule", None)

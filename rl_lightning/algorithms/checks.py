@@ -51,6 +51,15 @@ def check_module_settings(owner: Any, flags: dict[str, Any], counts: dict[str, A
          "must be >= 1 with loss_aggregation seq_mean_token_sum_norm (the constant length normaliser)")])
 
 
+def build_optimizer(factory: Any, groups: list[dict[str, Any]]) -> Any:
+    """``factory(groups)``, an optimiser refusing its settings (torch's "Invalid learning rate: -0.0001") refused in
+    one line naming the config field."""
+    try:
+        return factory(groups)
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"model.init_args.optimizer: the optimiser refused its settings: {err}") from None
+
+
 def check_hook_output(owner: Any, hook: str, value: Any, shapes: Iterable[tuple[int, ...]], what: str) -> None:
     """Raise ``ValueError("<Class>.<hook> returned ... ; expected ...")`` unless ``value`` is a tensor of one of
     ``shapes`` (``what`` says what the shape means, e.g. ``"[n, T]: one value per token of the micro-batch"``)."""

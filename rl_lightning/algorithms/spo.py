@@ -13,7 +13,7 @@ and applies them in rank order) and saved in checkpoints.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Literal, Sequence
 
 import torch
 from torch import Tensor
@@ -27,6 +27,7 @@ from rl_lightning.functional import (
     beta_tracker_update, normalized_advantages, spo_discount, tracker_sampling_weights, tracker_value,
 )
 from rl_lightning.rollout.batch import RolloutBatch
+from rl_lightning.rollout.inputs import RolloutInputs
 from rl_lightning.rollout.prompts import WeightedSampler
 
 #: a prompt's last response: (context ids, response ids, response loss mask, log-probs after that step's update)
@@ -85,9 +86,10 @@ class SPO(GRPO):
                 f"{{class_path: rl_lightning.rollout.WeightedSampler, init_args: {{pool_size: ...}}}} (got "
                 f"{type(sampler).__name__}), or model.init_args.prioritized: false")
 
-    def prompt_weight_fn(self) -> Callable[[Sequence[Prompt]], Tensor] | None:
-        """What the data module's ``WeightedSampler`` draws prompts by: ``prompt_weights`` when ``prioritized``."""
-        return self.prompt_weights if self.prioritized else None
+    @override
+    def rollout_inputs(self) -> RolloutInputs:
+        """The data module's ``WeightedSampler`` draws prompts by ``prompt_weights`` when ``prioritized``."""
+        return RolloutInputs(prompt_weights=self.prompt_weights if self.prioritized else None)
 
     def values(self, uids: Sequence[int]) -> Tensor:
         """``v̂`` of each prompt (float64; the prior's for prompts never seen)."""

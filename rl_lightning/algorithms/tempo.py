@@ -40,6 +40,7 @@ from rl_lightning.algorithms.grpo import GRPO
 from rl_lightning.functional import branch_mean_targets, group_advantages, macro_step_returns, value_from_grid
 from rl_lightning.rollout.batch import RolloutBatch
 from rl_lightning.rollout.branching import Branch, BranchRollout, BranchStore
+from rl_lightning.rollout.inputs import RolloutInputs
 
 #: ``Advantages.rows`` keys: each row's ``G_i``, its state's ``y(s)``, whether its end was valued, its state replayed
 RETURN, TARGET, QUERIED, REPLAYED = "tempo_return", "tempo_target", "critic_queried", "replayed"
@@ -108,7 +109,11 @@ class TEMPO(GRPO):
                              "update and read by the next rollout)")
         self.critic.grid_ids(self.tokenizer)  # refuse a grid the tokenizer cannot encode before anything runs
         self.episode_tokens = strategy.max_episode_tokens
-        strategy.branches_from(self.branches)
+
+    @override
+    def rollout_inputs(self) -> RolloutInputs:
+        """Each step's rollouts start from ``branches``."""
+        return RolloutInputs(branches=self.branches)
 
     def warming_up(self, step: int) -> bool:
         return step < self.warmup_steps

@@ -9,6 +9,7 @@ from rl_lightning.rollout.engines import HFGenerateEngine, KVCacheEngine, Module
 from rl_lightning.rollout.episodes import EpisodeGeneration, sample_episodes
 from rl_lightning.rollout.filters import GroupFilter, RewardSpread
 from rl_lightning.rollout.generation import Generation, position_ids_from_mask, sample
+from rl_lightning.rollout.inputs import RolloutInputs
 from rl_lightning.rollout.prompts import PromptSampler, SequentialSampler, WeightedSampler
 from rl_lightning.rollout.shaping import OverlongPenalty, RewardShaper
 from rl_lightning.rollout.strategies import GroupRollout, RolloutContext, RolloutStrategy
@@ -38,6 +39,7 @@ __all__ = [
     "RolloutContext",
     "RolloutDataModule",
     "RolloutEngine",
+    "RolloutInputs",
     "RolloutStrategy",
     "SamplerSync",
     "SamplingParams",

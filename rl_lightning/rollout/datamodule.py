@@ -33,6 +33,7 @@ from rl_lightning.rollout.encoding import PromptEncoder
 from rl_lightning.rollout.engine import AUX_DRAWS, TOPK, RolloutEngine, SamplingParams, check_capabilities
 from rl_lightning.rollout.engines import KVCacheEngine
 from rl_lightning.rollout.filters import GroupFilter, group_rows
+from rl_lightning.rollout.inputs import DeclaresRolloutInputs, RolloutInputs
 from rl_lightning.rollout.prompts import PromptSampler, SequentialSampler, WeightedSampler
 from rl_lightning.rollout.shaping import RewardShaper
 from rl_lightning.rollout.strategies import GroupRollout, RolloutContext, RolloutStrategy
@@ -236,17 +237,30 @@ class RolloutDataModule(LightningDataModule):
             needs[AUX_DRAWS] = f"record_aux_draws={self.record_aux_draws}"
         return needs
 
+    def take_inputs(self, inputs: RolloutInputs, owner: str = "the method") -> None:
+        """Serve a module's declared ``RolloutInputs``: its branches to the ``BranchRollout`` strategy, its prompt
+        weights to the ``WeightedSampler``; a configuration that cannot serve one is refused, naming the field."""
+        if inputs.branches is not None:
+            if not isinstance(self.strategy, BranchRollout):
+                raise ConfigError(f"{owner} sets where its rollouts start (rollout_inputs().branches): "
+                                  f"data.init_args.strategy must be a rl_lightning.rollout.BranchRollout, got "
+                                  f"{type(self.strategy).__name__}")
+            self.strategy.branches_from(inputs.branches)
+        if inputs.prompt_weights is not None:
+            if not isinstance(self.prompt_sampler, WeightedSampler):
+                raise ConfigError(f"{owner} weights the prompts it draws (rollout_inputs().prompt_weights): "
+                                  f"data.init_args.prompt_sampler must be a rl_lightning.rollout.WeightedSampler, "
+                                  f"got {type(self.prompt_sampler).__name__}")
+            self.prompt_sampler.weights_from(inputs.prompt_weights)
+
     def _bind_trained_module(self, required: bool) -> None:
-        """``bind`` the trained module's policy and tokenizer, and hand a ``WeightedSampler`` the module's prompt
-        weights (``module.prompt_weight_fn()``, when it has one that returns a function: SPO's tracker) -- the one
-        place the data module reads its module."""
+        """``bind`` the trained module's policy and tokenizer and serve its declared ``rollout_inputs()``
+        (``take_inputs``) -- the one place the data module reads its module."""
         module = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
         if module is not None and hasattr(module, "policy") and hasattr(module, "tokenizer"):
             self.bind(module.policy, module.tokenizer)
-            weight_fn = getattr(module, "prompt_weight_fn", None)  # a method that weights the prompts it is given
-            weights = weight_fn() if callable(weight_fn) else None
-            if weights is not None and isinstance(self.prompt_sampler, WeightedSampler):
-                self.prompt_sampler.weights_from(weights)
+            if isinstance(module, DeclaresRolloutInputs):
+                self.take_inputs(module.rollout_inputs(), type(module).__name__)
         elif required:
             raise RuntimeError("RolloutDataModule needs a LightningModule with `policy` and `tokenizer` attributes")
 
