@@ -15,7 +15,7 @@ must give at least one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -46,6 +46,8 @@ class AuxiliaryRows:
         model: the model that scores the rows (``None``: the policy), e.g. a generative critic's weights of its own
             (``GenerativeCritic(weights="own")``): its parameters must be in the module's optimiser and
             ``trainable_parameters``.
+        metrics: the step's metrics measured when the rows were made (``{name: [values]}``, e.g. TEMPO's critic
+            value and error), logged with the update's (``update``'s return value).
     """
 
     batch: RolloutBatch
@@ -53,6 +55,7 @@ class AuxiliaryRows:
     loss: AuxiliaryLoss
     extra_ids: Tensor | None = None
     model: Any = None
+    metrics: dict[str, list[Tensor]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if tuple(self.weights.shape) != tuple(self.batch.loss_mask.shape):

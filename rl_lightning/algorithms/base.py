@@ -243,7 +243,7 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
         metrics.add("perf/optimizer_steps", plan.forwarded.new_tensor(float(len(plan)), dtype=torch.float))
         optimizer.zero_grad()
         return {**before, **metrics.finish(self.ranks.sum if self.ranks.world_size > 1 else None),
-                **self.after_update(batch, adv)}
+                **plan.auxiliary_metrics, **self.after_update(batch, adv)}
 
     # ================================================================== shared machinery
     @property

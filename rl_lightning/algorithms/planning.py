@@ -306,11 +306,13 @@ class UpdatePlan:
         skipped: ``[N]`` bool, the rows left out as inert (``None``: skipping does not apply).
         forwarded: ``[N]`` bool, the rows some micro-batch forwards.
         steps: every ``OptimizerStep``, in order.
+        auxiliary_metrics: the metrics the auxiliary rows were made with (``AuxiliaryRows.metrics``).
     """
 
     def __init__(self, batch: RolloutBatch, adv: Advantages, weights: Tensor, skipped: Tensor | None,
                  planned: list[PlannedStep], auxiliary: list[list[AuxiliaryMicro]], bucketing: bool) -> None:
         self.batch, self.adv, self.weights, self.skipped, self.bucketing = batch, adv, weights, skipped, bucketing
+        self.auxiliary_metrics: dict[str, list[Tensor]] = {}
         self.forwarded = torch.zeros(batch.num_rows, dtype=torch.bool, device=batch.loss_mask.device)
         self.steps = []
         for k, ((iteration, index, rows, micros), aux) in enumerate(zip(planned, auxiliary)):
@@ -331,9 +333,12 @@ class UpdatePlan:
                               module.length_bucketing, prompt_blocks(batch, module.policy) if share else None,
                               module.seed, module.global_step, module.ranks.max, module.share_prompt_min_tokens,
                               module.device)
-        auxiliary = auxiliary_plan(module.auxiliary_rows(batch, adv), [step[1] for step in planned],
-                                   module.num_minibatches, module.micro_batch_size, module.ranks.max)
-        return cls(batch, adv, weights, skipped, planned, auxiliary, module.length_bucketing)
+        items = module.auxiliary_rows(batch, adv)
+        auxiliary = auxiliary_plan(items, [step[1] for step in planned], module.num_minibatches,
+                                   module.micro_batch_size, module.ranks.max)
+        plan = cls(batch, adv, weights, skipped, planned, auxiliary, module.length_bucketing)
+        plan.auxiliary_metrics = {name: values for item in items or [] for name, values in item.metrics.items()}
+        return plan
 
     def __iter__(self) -> Iterator[OptimizerStep]:
         return iter(self.steps)

@@ -85,7 +85,6 @@ class TEMPO(GRPO):
         self.critic_scale_rewards = critic_scale_rewards
         self.store = BranchStore(store_capacity)
         self.episode_tokens: int | None = None  # the strategy's episode budget, read at setup
-        self._critic_stats: dict[str, list[Tensor]] = {}
         self._fresh_states: int | None = None  # states of the step's prompts in the last branches (then replayed)
 
     @override
@@ -177,11 +176,11 @@ class TEMPO(GRPO):
                                                     self.critic_coef, self.clip_eps_high, self.critic_scale_rewards,
                                                     self.std_eps)
             values, reward = stats["critic_value"].to(self.device), stats["critic_reward"]
-        self._critic_stats = {"train/critic_value": [values.mean()],
-                              "train/critic_value_std": [values.std(unbiased=False)],  # 0: one value for all
-                              "train/critic_error": [(values - targets.to(values.device)).abs().mean()],
-                              **({"train/critic_reward": [reward.mean()]} if reward is not None else {})}
-        return [rows]
+        stats = {"train/critic_value": [values.mean()],
+                 "train/critic_value_std": [values.std(unbiased=False)],  # 0: one value for all
+                 "train/critic_error": [(values - targets.to(values.device)).abs().mean()],
+                 **({"train/critic_reward": [reward.mean()]} if reward is not None else {})}
+        return [replace(rows, metrics={**rows.metrics, **stats})]
 
     # ------------------------------------------------------------------ metrics and state
     @override
@@ -190,11 +189,6 @@ class TEMPO(GRPO):
         return {**super().before_update(batch, adv, weights), "train/tempo_return": [rows[RETURN].mean()],
                 "train/critic_queries": [rows[QUERIED].mean()], "train/replayed_states": [rows[REPLAYED].mean()],
                 "train/tempo_warmup": [torch.tensor(float(self.warming_up(self.global_step)))]}
-
-    @override
-    def after_update(self, batch: RolloutBatch, adv: Advantages) -> dict[str, list[Tensor]]:
-        stats, self._critic_stats = self._critic_stats, {}
-        return {**super().after_update(batch, adv), **stats}
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

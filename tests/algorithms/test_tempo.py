@@ -92,7 +92,7 @@ def test_the_critic_rows_are_rewarded_by_accuracy_centred_within_each_states_gro
     y = adv.rows[TARGET][::4]
     reward = -(module.critic.levels()[rows.batch.extras[BIN]].view(4, 3) - y.unsqueeze(1)).abs()
     torch.testing.assert_close(a, reward - reward.mean(dim=1, keepdim=True))
-    stats = module.after_update(batch, adv)
+    stats = rows.metrics  # logged with the update's metrics (AuxiliaryRows.metrics)
     assert set(stats) == {"train/critic_value", "train/critic_value_std", "train/critic_error", "train/critic_reward"}
     values = module.critic.values(module, module.critic.start_contexts(module, batch)[1])
     torch.testing.assert_close(stats["train/critic_value_std"][0], values.std(unbiased=False).to(torch.float32),
@@ -157,8 +157,7 @@ def test_the_cross_entropy_critic_trains_the_nearest_bin_of_each_states_target()
     (rows,) = module.auxiliary_rows(batch, adv)
     assert rows.batch.num_rows == 4  # one row per starting state
     assert rows.batch.extras[BIN].tolist() == nearest_bin(adv.rows[TARGET][::4], module.critic.levels()).tolist()
-    assert set(module.after_update(batch, adv)) == {"train/critic_value", "train/critic_value_std",
-                                                     "train/critic_error"}
+    assert set(rows.metrics) == {"train/critic_value", "train/critic_value_std", "train/critic_error"}
 
 
 def test_a_critic_on_weights_of_its_own_trains_them_and_leaves_the_policy_alone():
