@@ -39,7 +39,7 @@ from rl_lightning.algorithms.generative_critic import GenerativeCritic, end_hist
 from rl_lightning.algorithms.grpo import GRPO
 from rl_lightning.functional import branch_mean_targets, group_advantages, macro_step_returns, value_from_grid
 from rl_lightning.rollout.batch import RolloutBatch
-from rl_lightning.rollout.branching import Branch, BranchRollout, BranchStore
+from rl_lightning.rollout.branching import BRANCH_PREFIX_TOKENS, Branch, BranchRollout, BranchStore
 from rl_lightning.rollout.inputs import RolloutInputs
 
 #: ``Advantages.rows`` keys: each row's ``G_i``, its state's ``y(s)``, whether its end was valued, its state replayed
@@ -85,7 +85,6 @@ class TEMPO(GRPO):
         self.critic_scale_rewards = critic_scale_rewards
         self.store = BranchStore(store_capacity)
         self.episode_tokens: int | None = None  # the strategy's episode budget, read at setup
-        self._fresh_states: int | None = None  # states of the step's prompts in the last branches (then replayed)
 
     @override
     def parameter_groups(self) -> list[dict[str, Any]]:
@@ -124,7 +123,6 @@ class TEMPO(GRPO):
         fresh = [Branch(p, prompt_index=i, max_turns=turns) for i, p in zip(prompts.indices, prompts.prompts)]
         saved = [replace(b, max_turns=turns) for b in
                  self.store.sample(self.replay, torch.Generator().manual_seed(self.seed * 1_000_003 + step))]
-        self._fresh_states = len(fresh)
         return fresh + saved
 
     def _keep_ends(self, batch: RolloutBatch) -> None:
@@ -153,8 +151,7 @@ class TEMPO(GRPO):
             self._keep_ends(batch)
         returns = macro_step_returns(batch.rewards, batch.terminated, ends)
         targets = branch_mean_targets(returns, n).repeat_interleave(n)
-        fresh = batch.num_rows // n if self._fresh_states is None else self._fresh_states
-        replayed = torch.arange(batch.num_rows, device=ends.device) // n >= fresh
+        replayed = batch.extras[BRANCH_PREFIX_TOKENS].to(ends.device) > 0  # a saved state, not a prompt's start
         rows = {RETURN: returns, TARGET: targets, QUERIED: queried.float(), REPLAYED: replayed.float()}
         return Advantages(group_advantages(returns, n, scale=self.scale_rewards, eps=self.std_eps), rows=rows)
 

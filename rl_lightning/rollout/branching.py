@@ -124,6 +124,10 @@ class BranchStore:
         self.items = [Branch.from_state(b) for b in state["items"]]
 
 
+#: ``RolloutBatch.extras`` key of a branched batch: ``[N]`` the prefix ids each row continued from (0: the prompt's
+#: start; more: a saved state or prefix)
+BRANCH_PREFIX_TOKENS = "branch_prefix_tokens"
+
 #: what ``branches_from`` calls at every training step: ``fn(step, prompts)`` with the step's ``PromptBatch``
 BranchFn = Callable[[int, PromptBatch], list[Branch]]
 
@@ -139,7 +143,8 @@ class BranchRollout(GroupRollout):
     batches are plain greedy episodes, whatever the branches' limits: a ``GroupRollout`` of up to
     ``Task.episode_turns()`` turns (the branches' ``max_turns`` for a task that does not say) of the data module's
     ``max_new_tokens`` each, with the default episode budget. ``rewards`` are the continuation's (the segment's,
-    not the episode's), ``terminated`` / ``end_states`` say where each row stopped.
+    not the episode's), ``terminated`` / ``end_states`` say where each row stopped, and
+    ``extras[BRANCH_PREFIX_TOKENS]`` how many prefix ids each row continued from (0: from the prompt's start).
 
     The branches of a step are read when its rollout starts: ``set_branches(list)`` for the next step, or
     ``branches_from(fn)`` with ``fn(step, prompts) -> list[Branch]`` called at every step, ``prompts`` being the
@@ -219,5 +224,7 @@ class BranchRollout(GroupRollout):
         out = make(episodes.returns(unscored=0.0), 0.0, episodes)  # a held chunk has earned nothing yet
         truncated = gen.truncated | torch.tensor(episodes.env_truncated, device=gen.truncated.device)
         pending = [episodes.pending[r] + held if held else [] for r, held in enumerate(gen.pending)]  # whole turn
-        return replace(out, truncated=truncated, **episodes.end_fields(
-            [b.prefix_ids for b in rows_of], lists, gen.final_obs, pending, ctx.device))
+        prefixes = [b.prefix_ids for b in rows_of]
+        extras = {**out.extras, BRANCH_PREFIX_TOKENS: torch.tensor([len(p) for p in prefixes], device=ctx.device)}
+        return replace(out, truncated=truncated, extras=extras,
+                       **episodes.end_fields(prefixes, lists, gen.final_obs, pending, ctx.device))

@@ -13,11 +13,11 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from rl_lightning.algorithms import TEMPO
 from rl_lightning.algorithms.generative_critic import ADVANTAGE, BIN, GenerativeCritic, end_history
-from rl_lightning.algorithms.tempo import QUERIED, RETURN, TARGET
+from rl_lightning.algorithms.tempo import QUERIED, REPLAYED, RETURN, TARGET
 from rl_lightning.cli import build_cli
 from rl_lightning.envs import GuessNumberTask
 from rl_lightning.functional import group_advantages, nearest_bin
-from rl_lightning.rollout import BranchRollout, GroupRollout, RolloutDataModule
+from rl_lightning.rollout import Branch, BranchRollout, GroupRollout, RolloutDataModule
 from tests.conftest import REPO
 from tests.rollout.rollout_helpers import fake_trainer
 
@@ -110,9 +110,14 @@ def test_warm_up_runs_whole_episodes_then_the_horizon_with_replayed_states():
     batch = dm.rollout(prompts)
     module.compute_advantages(batch)  # global_step 0 < 3: Monte-Carlo, nothing stored, no query
     assert module.critic.forwards == 0 and len(module.store) == 0
-    module.store.add([module.branches(3, prompts)[0]])  # a saved state
+    saved = Branch(prompts.prompts[0], module.tokenizer("16", add_special_tokens=False)["input_ids"], prompt_index=0)
+    module.store.add([saved])  # a saved state: a prefix to continue from
     after = module.branches(3, prompts)
-    assert len(after) == 5 and all(b.max_turns == 2 for b in after) and module._fresh_states == 4
+    assert len(after) == 5 and all(b.max_turns == 2 for b in after) and after[4].prefix_ids == saved.prefix_ids
+    # the batch says which rows continue a saved state (BRANCH_PREFIX_TOKENS), and TEMPO counts them as replayed
+    rows = dm.rollout_branches(after, n=4)
+    adv = module.compute_advantages(rows)
+    assert adv.rows[REPLAYED].tolist() == [0.0] * 16 + [1.0] * 4
 
 
 def test_refusals():

@@ -13,6 +13,7 @@ from rl_lightning.envs import ArithmeticTask, GuessNumberTask, Prompt
 from rl_lightning.rollout import (
     Branch, BranchRollout, BranchStore, GroupRollout, PromptBatch, RolloutDataModule,
 )
+from rl_lightning.rollout.branching import BRANCH_PREFIX_TOKENS
 from tests.rollout.rollout_helpers import fake_trainer
 
 
@@ -122,6 +123,7 @@ def test_a_completion_never_overruns_the_turn_and_a_chunk_is_held_from_the_envir
     batch = dm.rollout(dm.prompt_batch(0))
     lengths = batch.loss_mask.sum(dim=1)
     assert (lengths[:4] <= 3).all() and (lengths[4:] <= 2).all()
+    assert batch.extras[BRANCH_PREFIX_TOKENS].tolist() == [3] * 8  # every row continued from 3 prefix ids
     assert len(scored) == 4 + int((batch.terminated[4:]).sum())  # the held chunks were not scored
     assert all(s.startswith("123") for s in scored)  # the environment sees the pending ids first
     for row in range(4, 8):
@@ -133,6 +135,7 @@ def test_a_completion_never_overruns_the_turn_and_a_chunk_is_held_from_the_envir
         assert batch.rewards[row] == 0 and batch.truncated[row] and len(chunk) == 2
         assert end.pending_ids == pending + chunk and end.prefix_ids == pending + chunk
         rest = dm.rollout_branches([Branch.from_rollout(batch, row)], n=2, seed=3)
+        assert rest.extras[BRANCH_PREFIX_TOKENS].tolist() == [5, 5]
         assert (rest.loss_mask.sum(dim=1) <= 1).all()  # 6 - 3 - 2: the turn's own limit still holds
         assert rest.terminated.all() and (rest.rewards == 0.5).all()  # finished and scored
     with pytest.raises(ValueError, match="no room in a turn of 6"):
