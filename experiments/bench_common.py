@@ -204,6 +204,18 @@ def print_table(header: list[str], rows: Iterable[list[str]]) -> None:
         print("| " + " | ".join(row) + " |")
 
 
+def print_step_summary(started: float, rows: list[dict], decimals: int) -> None:
+    """The run's total time and the load average at its end, then per workload TRL's and our median s/step (with
+    ``decimals``), their ratio and both peak RSS (``rows``: ``{"workload", "ratio", "trl": {...}, "ours": {...}}``)."""
+    print(f"\n(total {time.perf_counter() - started:.0f} s; load average at the end "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())})")
+    print()
+    print_table(["workload", "TRL s/step", "ours s/step", "ratio ours/TRL", "TRL peak RSS", "ours peak RSS"],
+                ([r["workload"], f"{r['trl']['s_per_step']:.{decimals}f}", f"{r['ours']['s_per_step']:.{decimals}f}",
+                  f"{r['ratio']:.2f}", f"{r['trl']['peak_rss_mb']:.0f} MB", f"{r['ours']['peak_rss_mb']:.0f} MB"]
+                 for r in rows))
+
+
 def write_json(path: Path | None, table: list[dict], runs: dict) -> None:
     """With ``--json``: the table's rows and every run's raw results."""
     if path:

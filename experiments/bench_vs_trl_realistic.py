@@ -262,13 +262,7 @@ def main() -> None:
             rows.append(row)
             everything[workload] = runs
 
-    print(f"\n(total {time.perf_counter() - started:.0f} s; load average at the end "
-          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())})")
-    print()
-    common.print_table(["workload", "TRL s/step", "ours s/step", "ratio ours/TRL", "TRL peak RSS", "ours peak RSS"],
-                       ([r["workload"], f"{r['trl']['s_per_step']:.3f}", f"{r['ours']['s_per_step']:.3f}",
-                         f"{r['ratio']:.2f}", f"{r['trl']['peak_rss_mb']:.0f} MB", f"{r['ours']['peak_rss_mb']:.0f} MB"]
-                        for r in rows))
+    common.print_step_summary(started, rows, decimals=3)
     print("\nWork per step (means over all steps): rows = prompts x G; prompt = mean prompt tokens; sampled = "
           "completion")
     print("tokens; zero-var = rows in zero-variance groups; skipped = rows the update did not forward; update fwd =")
