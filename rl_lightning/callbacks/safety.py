@@ -36,6 +36,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from rl_lightning.algorithms.evaluation import HeldoutEvaluation
 from rl_lightning.callbacks import compat
 from rl_lightning.rollout.batch import RolloutBatch
+from rl_lightning.rollout.datamodule import RolloutDataModule
 
 FAILURE_DIRNAME = "failures"
 
@@ -252,16 +253,10 @@ def _to_cpu(value: Any) -> Any:
     return value
 
 
-def failed_batch(exc: BaseException) -> RolloutBatch | None:
-    """The rollout batch an exception carries (``exc.rollout_batch``, set by the data module), along its chain."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        batch = getattr(exc, "rollout_batch", None)
-        if isinstance(batch, RolloutBatch):
-            return batch
-        exc = exc.__cause__ or exc.__context__
-    return None
+def failed_rollout(trainer: Trainer) -> RolloutBatch | None:
+    """The rollout a reward function raised in, kept by the run's ``RolloutDataModule`` (``failed_rollout``)."""
+    datamodule = trainer.datamodule
+    return datamodule.failed_rollout if isinstance(datamodule, RolloutDataModule) else None
 
 
 class FailureDump(Callback):
@@ -343,7 +338,7 @@ class FailureDump(Callback):
         batch = None if evaluating else self._batch
         where = "evaluation" if evaluating else "update"
         if batch is None:
-            batch, where = failed_batch(exception), ("evaluation" if evaluating else "rollout")
+            batch, where = failed_rollout(trainer), ("evaluation" if evaluating else "rollout")
         if batch is None:
             return  # not a step's rollout, update or evaluation (setup): nothing to replay
         step = trainer.global_step

@@ -219,6 +219,8 @@ class RolloutDataModule(LightningDataModule):
         self._encoder: PromptEncoder | None = None
         self._injected: list[RolloutBatch] = []
         self._sampled_tokens = 0  # tokens sampled for training since take_sampled_tokens (perf/sampled_tokens)
+        #: the last rollout a reward function raised in (responses, rewards scored so far), for FailureDump
+        self.failed_rollout: RolloutBatch | None = None
 
     # ------------------------------------------------------------------ the learner's side
     def bind(self, policy: nn.Module, tokenizer: Any) -> None:
@@ -360,10 +362,15 @@ class RolloutDataModule(LightningDataModule):
                               aux_seed=seed * 31 + 7 if self.record_aux_draws else None)
 
     def context(self, engine: RolloutEngine, batch: PromptBatch, device: torch.device) -> RolloutContext:
-        """What the strategy makes ``batch``'s rollout with."""
+        """What the strategy makes ``batch``'s rollout with; a new rollout starts, so ``failed_rollout`` is
+        forgotten (the context's ``keep_failed`` sets it again if a reward function raises in this one)."""
         rank, world = self._world()
+        self.failed_rollout = None
         return RolloutContext(self._learner()[1], engine, self.task, self.reward_fn, self.sampling_params(batch),
-                              self.group_size, self.seed, device, rank, world)
+                              self.group_size, self.seed, device, rank, world, keep_failed=self._keep_failed)
+
+    def _keep_failed(self, batch: RolloutBatch) -> None:
+        self.failed_rollout = batch
 
     def sampler(self) -> nn.Module | None:
         """The model that generates this step: the policy, or its copy (lagged: refreshed every

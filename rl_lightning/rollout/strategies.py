@@ -46,6 +46,9 @@ class RolloutContext:
         device: where the ``RolloutBatch`` goes (the learner's device).
         rank, world_size: this process's data-parallel rank and the number of ranks (a strategy that draws
             anything per rank reads them here, never from the sampling seed).
+        keep_failed: where a strategy hands the rollout a reward function raised in (its responses, with the
+            rewards scored so far) before the error goes on: the data module keeps it (``failed_rollout``) for
+            ``FailureDump`` to save and ``rl-lightning replay`` to score again.
     """
 
     encoder: PromptEncoder
@@ -58,6 +61,7 @@ class RolloutContext:
     device: torch.device
     rank: int = 0
     world_size: int = 1
+    keep_failed: Callable[[RolloutBatch], None] | None = None
 
     @property
     def tokenizer(self) -> Any:
@@ -229,8 +233,9 @@ class GroupRollout(RolloutStrategy):
                 over.append(done)
                 if not done:  # a multi-turn environment cut after one turn: keep its next observation
                     final[row] = episodes.observation_ids(ctx.encoder, row, observation, not bool(gen.truncated[row]))
-        except RewardError as err:  # keep the responses so the failure can be replayed (FailureDump)
-            err.rollout_batch = make(episodes.returns(), time.perf_counter() - t1)  # type: ignore[attr-defined]
+        except RewardError:  # keep the responses so the failure can be replayed (FailureDump)
+            if ctx.keep_failed is not None:
+                ctx.keep_failed(make(episodes.returns(), time.perf_counter() - t1))
             raise
         batch_out = make(episodes.returns(), time.perf_counter() - t1, episodes)
         # as in sample_episodes: the environment truncated it, or the turn limit ends an episode that goes on

@@ -174,6 +174,13 @@ def test_reward_error_names_prompt_and_response(module):
     prompt, response = seen[0]
     msg = str(info.value)
     assert prompt.text in msg and repr(response) in msg and "boom" in msg
+    # the data module keeps the failed rollout's responses (FailureDump saves them); the exception carries nothing
+    failed = dm.failed_rollout
+    assert failed is not None and failed.responses[0] == response and failed.num_rows == len(failed.responses)
+    assert not hasattr(info.value, "rollout_batch")
+    dm.reward_fn = ExactMatchReward()
+    dm.rollout(dm.prompt_batch(0))  # the next rollout starts afresh
+    assert dm.failed_rollout is None
 
 
 def test_responses_after_eos_decode_cleanly_with_a_nonzero_pad_id():
