@@ -27,8 +27,7 @@ STUDIES = (
     ("reach", "Reach the target (multi-turn, distinct starting states): GRPO and TEMPO"),
     ("running_sum", "Running sums written out (long responses): GRPO, and EasyPPO and BPCO with their ablations "
                     "(in progress)"),
-    ("smollm2_lora", "SmolLM2-135M-Instruct with LoRA adapters: GRPO on word problems, 200 test problems "
-                     "(in progress)"),
+    ("smollm2_lora", "SmolLM2-135M-Instruct with LoRA adapters: GRPO on word problems, 200 test problems"),
 )
 
 
@@ -37,8 +36,9 @@ def section() -> list[str]:
            # one string per line of docs/results.md (a long one in two literals)
            ("Made by `experiments/study.py` under [the protocol](#the-protocol): one pinned setup per study "
             "(commit, `avx2`"),
-           ("kernels, 1 thread), the test split, 5 seeds, the mean of each run's last 3 evaluations, mean ± 95% CI, "
-            "and the"),
+           ("kernels, 1 thread), the test split, 5 seeds (3 on a real model), the mean of each run's last k "
+            "evaluations (the"),
+           ("table's header says k), mean ± 95% CI, and the"),
            ("seed-paired difference to the arm's baseline with its p-value (\"within noise\" where its interval "
             "holds 0)."),
            ("Written by `experiments/results_section.py` from the CSVs in each study's folder; the folder's README "
@@ -61,7 +61,7 @@ def section() -> list[str]:
         if missing:
             line += f" Not finished (runs missing): {', '.join(missing)}."
         out += [f"### {title}", "", line, "",
-                "| arm | seeds | warm start | last 3 | learns | Δ vs baseline | p (seeds) | verdict |",
+                f"| arm | seeds | warm start | last {study.last_k} | learns | Δ vs baseline | p (seeds) | verdict |",
                 "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         out += ["| " + " | ".join(row[:7] + row[8:9]) + " |" for row in S.headline_rows(study, runs)]
         out.append("")
