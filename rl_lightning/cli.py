@@ -35,7 +35,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from jsonargparse import Namespace
 from lightning.pytorch import Callback, Trainer
@@ -129,7 +129,8 @@ class RLCLI(compat.CheckpointPathCLI):
     _resume: runs.ResumeTarget | None = None
     _started: float = 0.0
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, on_trainer: Callable[[Trainer], None] | None = None, **kwargs: Any) -> None:
+        self._on_trainer = on_trainer  # told the trainer once it exists (cli_main finds its FailureDump there)
         try:
             super().__init__(*args, **kwargs)  # parses, instantiates and runs the subcommand
         except BaseException:
@@ -241,6 +242,8 @@ class RLCLI(compat.CheckpointPathCLI):
         if self.save_config_callback is not None and issubclass(self.save_config_callback, _SaveRunConfig):
             self.save_config_kwargs["resume_step"] = self._resume.step if self._resume is not None else None
         trainer = super().instantiate_trainer(**kwargs)
+        if self._on_trainer is not None:
+            self._on_trainer(trainer)
         if self._resume is not None and self._resume.run_dir is not None:
             for logger in trainer.loggers:  # the curves continue: later events of the old run are purged
                 if isinstance(logger, TensorBoardLogger):
@@ -338,9 +341,11 @@ def _duration(seconds: float) -> str:
     return f"{minutes}m{secs:02d}s" if minutes else f"{seconds:.1f}s"
 
 
-def build_cli(args: list[str] | dict[str, Any] | None = None, run: bool = True, save_config: bool = True) -> RLCLI:
+def build_cli(args: list[str] | dict[str, Any] | None = None, run: bool = True, save_config: bool = True,
+              on_trainer: Callable[[Trainer], None] | None = None) -> RLCLI:
     """Parse ``args`` (``None`` reads ``sys.argv``; a dict is a whole configuration) and, with ``run=True``, run
-    the subcommand. ``save_config=False`` writes no ``config.yaml``."""
+    the subcommand. ``save_config=False`` writes no ``config.yaml``; ``on_trainer`` is called with the trainer once
+    it is made."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     return RLCLI(
@@ -355,6 +360,7 @@ def build_cli(args: list[str] | dict[str, Any] | None = None, run: bool = True, 
         auto_configure_optimizers=False,
         args=args,
         run=run,
+        on_trainer=on_trainer,
     )
 
 
@@ -491,8 +497,9 @@ def cli_main(argv: list[str] | None = None) -> None:
     traceback_wanted = bool(os.environ.get("RL_LIGHTNING_TRACEBACK"))
     if argv is None:  # LightningCLI reads sys.argv itself (and warns when given both)
         sys.argv[1:] = args
+    trainers: list[Trainer] = []  # the run's trainer: its FailureDump says where a failed step was saved
     try:
-        build_cli(None if argv is None else args)
+        build_cli(None if argv is None else args, on_trainer=trainers.append)
     except (RunInterrupted, RunStopped) as stop:
         resume = "; resume with --ckpt_path last" if stop.path is not None else ""
         print(f"rl-lightning: {stop}{resume}", file=sys.stderr)
@@ -509,8 +516,9 @@ def cli_main(argv: list[str] | None = None) -> None:
             _fail(str(root), 2, _section(exc))
         failure = runtime_failure(exc)
         if failure is not None:
-            where = getattr(failure, "failure_dir", None) or getattr(exc, "failure_dir", None)
-            step = getattr(failure, "failure_step", None) or getattr(exc, "failure_step", None)
+            dump = next((cb for trainer in trainers for cb in trainer.callbacks
+                         if isinstance(cb, FailureDump) and cb.dumped is not None), None)
+            where, step = (dump.dumped, dump.dumped_step) if dump is not None else (None, None)
             at = f" at step {step}" if step is not None and f"step {step}" not in str(failure) else ""
             saved = (f" -- the failed step is saved in {where}; re-run it with: rl-lightning replay {where}"
                      if where else "")

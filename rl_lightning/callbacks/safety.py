@@ -284,7 +284,8 @@ class FailureDump(Callback):
         if snapshot not in ("auto", "always", "never"):
             raise ValueError(f"FailureDump: snapshot must be 'auto', 'always' or 'never', got {snapshot!r}")
         self.snapshot = snapshot
-        self.dumped: Path | None = None
+        self.dumped: Path | None = None  # where the last failed step was saved (read by the CLI's error line)
+        self.dumped_step: int | None = None
         self._batch: RolloutBatch | None = None
         self._rng: dict[str, Any] | None = None
         self._steps_in_batch = 0
@@ -296,7 +297,7 @@ class FailureDump(Callback):
         self._steps_in_batch += 1
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.dumped = None
+        self.dumped, self.dumped_step = None, None
         for optimizer in trainer.optimizers:
             self._hooks.append(optimizer.register_step_post_hook(self._count_step))
         self._rng = rng_state()
@@ -372,6 +373,4 @@ class FailureDump(Callback):
         }
         if rank == 0 or trainer.world_size > 1:
             (out / f"info{suffix}.json").write_text(json.dumps(info, indent=2) + "\n")
-        self.dumped = out
-        exception.failure_dir = str(out)  # type: ignore[attr-defined]  # the CLI names them in its one line
-        exception.failure_step = step  # type: ignore[attr-defined]
+        self.dumped, self.dumped_step = out, step
