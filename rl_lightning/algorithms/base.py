@@ -1,7 +1,7 @@
 """``RLModule``: what every method shares; a method subclasses it and overrides a few narrow hooks.
 
 ``training_step`` reads as the algorithm: the rollout batch, each ``LossTerm``'s ``prepare``, ``compute_advantages``,
-``loss_weights``, then ``update``: for each optimiser step of the ``planning.UpdatePlan`` and each of its
+``loss_weights``, then ``update``: for each optimiser step of the ``update_plan.UpdatePlan`` and each of its
 micro-batches, ``forward_policy``, ``policy_loss`` (``-Σ w · policy_objective(ρ, A)``) ``+ extra_losses + LossTerm``s,
 backward; then clip, refuse non-finite values, step; last the step's metrics (``metrics.py``). The collectives are
 ``Ranks``, the held-out evaluation the ``HeldoutEvaluation`` callback. ``global_step`` counts rollout batches.
@@ -32,8 +32,9 @@ from rl_lightning.algorithms.metrics import (
 )
 from rl_lightning.algorithms.protocols import LossTerm
 from rl_lightning.algorithms.planning import (
-    OptimizerStep, UpdatePlan, check_rollout_settings, require_data_setting, rollout_weights, zero_advantage_rows,
+    check_rollout_settings, require_data_setting, rollout_weights, zero_advantage_rows,
 )
+from rl_lightning.algorithms.update_plan import OptimizerStep, UpdatePlan
 from rl_lightning.functional import AggregationMode, aggregate
 from rl_lightning.models.adapters import LoraSettings, add_lora, omit_frozen_weights
 from rl_lightning.models.policy import DType, load_policy
@@ -212,7 +213,7 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
         self.log_training_metrics(metrics, step=step, batch_size=batch.num_rows, tokens=batch.loss_mask.sum())
 
     def update(self, batch: RolloutBatch, adv: Advantages, weights: Tensor) -> dict[str, list[Tensor]]:
-        """μ passes x minibatches optimiser steps of micro-batches (``planning.UpdatePlan``); every step's metrics."""
+        """μ passes x minibatches optimiser steps of micro-batches (``update_plan.UpdatePlan``); their metrics."""
         before = self.before_update(batch, adv, weights)
         optimizer, terms, metrics = self.optimizers(), self._loss_terms(), UpdateMetrics()
         if self.needs_proximal_logprobs and self.num_iterations * self.num_minibatches > 1:

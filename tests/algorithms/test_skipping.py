@@ -36,7 +36,8 @@ import torch
 from rl_lightning.algorithms import (
     CoPE, GRPO, PPO, REINFORCE, RLOO, SPO, Advantages, FlashREINFORCE, PolicyGradient, TRPO,
 )
-from rl_lightning.algorithms.planning import UpdatePlan, minibatch_rows, trim_padding
+from rl_lightning.algorithms.planning import minibatch_rows, trim_padding
+from rl_lightning.algorithms.update_plan import UpdatePlan
 from rl_lightning.callbacks import KLRegularizer
 from rl_lightning.envs.base import Prompt, RewardFunction
 from rl_lightning.rollout import RolloutBatch
