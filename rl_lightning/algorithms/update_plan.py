@@ -70,9 +70,10 @@ class UpdatePlan:
     """
 
     def __init__(self, batch: RolloutBatch, adv: Advantages, weights: Tensor, skipped: Tensor | None,
-                 planned: list[PlannedStep], auxiliary: list[list[AuxiliaryMicro]], bucketing: bool) -> None:
+                 planned: list[PlannedStep], auxiliary: list[list[AuxiliaryMicro]], bucketing: bool,
+                 auxiliary_metrics: dict[str, list[Tensor]] | None = None) -> None:
         self.batch, self.adv, self.weights, self.skipped, self.bucketing = batch, adv, weights, skipped, bucketing
-        self.auxiliary_metrics: dict[str, list[Tensor]] = {}
+        self.auxiliary_metrics = auxiliary_metrics or {}
         self.forwarded = torch.zeros(batch.num_rows, dtype=torch.bool, device=batch.loss_mask.device)
         self.steps = []
         for k, ((iteration, index, rows, micros), aux) in enumerate(zip(planned, auxiliary)):
@@ -96,9 +97,8 @@ class UpdatePlan:
         items = module.auxiliary_rows(batch, adv)
         auxiliary = auxiliary_plan(items, [step[1] for step in planned], module.num_minibatches,
                                    module.micro_batch_size, module.ranks.max)
-        plan = cls(batch, adv, weights, skipped, planned, auxiliary, module.length_bucketing)
-        plan.auxiliary_metrics = {name: values for item in items or [] for name, values in item.metrics.items()}
-        return plan
+        metrics = {name: values for item in items or [] for name, values in item.metrics.items()}
+        return cls(batch, adv, weights, skipped, planned, auxiliary, module.length_bucketing, metrics)
 
     def __iter__(self) -> Iterator[OptimizerStep]:
         return iter(self.steps)
