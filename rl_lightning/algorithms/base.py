@@ -36,7 +36,7 @@ from rl_lightning.algorithms.planning import (
 )
 from rl_lightning.algorithms.update_plan import OptimizerStep, UpdatePlan
 from rl_lightning.functional import AggregationMode, aggregate
-from rl_lightning.models.adapters import LoraSettings, add_lora, omit_frozen_weights
+from rl_lightning.models.adapters import LoraSettings, add_lora, omit_frozen_weights, policy_parameters
 from rl_lightning.models.policy import DType, load_policy
 from rl_lightning.rollout.batch import RolloutBatch
 from rl_lightning.rollout.inputs import RolloutInputs
@@ -193,11 +193,11 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
 
     def parameter_groups(self) -> list[dict[str, Any]]:
         """Optimiser parameter groups: the policy (settings from ``optimizer``); methods add e.g. a critic group."""
-        return [{"params": [p for p in self.policy.parameters() if p.requires_grad]}]
+        return [{"params": policy_parameters(self.policy)}]
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         """Parameters the optimiser steps (and whose gradient norm is clipped); methods with a critic add it."""
-        return [p for p in self.policy.parameters() if p.requires_grad]
+        return policy_parameters(self.policy)
 
     # ================================================================== the step
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> None:

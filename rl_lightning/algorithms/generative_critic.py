@@ -1,6 +1,7 @@
 """The generative critic: the policy's own weights, given a critic instruction and an episode's history, emit one
 token of a fixed value grid (TEMPO's generative critic, AC2's value token; docs/algorithms.md, TEMPO and AC2).
-TEMPO and AC2 share it; it holds no parameters of its own.
+TEMPO and AC2 share it. It reads the policy itself (``weights="shared"``), a copy of the warm start (``"own"``), or
+LoRA adapters of its own on the policy's frozen base (``"adapter"``, with ``model.init_args.lora``).
 
 * the context is ``instruction + history + privileged + query`` (ids): ``history`` the episode so far (its first
   observation, actions and observations), ``privileged`` optional text only the critic sees (``str.format`` over
@@ -34,6 +35,7 @@ from rl_lightning.algorithms.forward import sequences_batch
 from rl_lightning.algorithms.metrics import Summed
 from rl_lightning.algorithms.planning import rollout_weights
 from rl_lightning.envs.base import Prompt
+from rl_lightning.models.adapters import AdapterView, adapter_parameters, add_adapter
 from rl_lightning.rollout.engine import SamplingParams
 from rl_lightning.rollout.engines import KVCacheEngine
 from rl_lightning.functional import (
@@ -85,13 +87,19 @@ class GenerativeCritic:
         reasoning_prompt: text that opens the reasoning (with ``reasoning_tokens > 0``).
         weights: ``"shared"``: the critic is the policy itself (its value tokens are trained on the actor's weights);
             ``"own"``: a copy of the initial policy that only the critic reads and trains (``attach``), so value-token
-            training cannot pull the actor's outputs towards the value tokens (docs/algorithms.md, TEMPO).
+            training cannot pull the actor's outputs towards the value tokens (docs/algorithms.md, TEMPO);
+            ``"adapter"``: LoRA adapters of its own (``ADAPTER``) on the LoRA policy's frozen base, with the policy's
+            LoRA settings: the same separation as ``"own"`` without a second model (the policy needs ``lora``).
     """
+
+    #: the name of the critic's adapters with ``weights="adapter"``
+    ADAPTER = "critic"
+
 
     def __init__(self, value_tokens: tuple[str, ...] = tuple("abcdefghijk"),
                  value_range: tuple[float, float] = (0.0, 1.0), query: str = " V:", instruction: str = "",
                  privileged: str | None = None, reasoning_tokens: int = 0,
-                 reasoning_prompt: str = " Think:", weights: Literal["shared", "own"] = "shared") -> None:
+                 reasoning_prompt: str = " Think:", weights: Literal["shared", "own", "adapter"] = "shared") -> None:
         if len(value_tokens) < 2 or len(value_range) != 2 or not value_range[0] < value_range[1]:
             raise ValueError(f"GenerativeCritic: needs >= 2 value_tokens and value_range [R_min, R_max] with "
                              f"R_min < R_max, got {list(value_tokens)}, {list(value_range)}")
@@ -100,32 +108,45 @@ class GenerativeCritic:
         if reasoning_tokens < 0:
             raise ValueError(f"GenerativeCritic: reasoning_tokens must be >= 0, got {reasoning_tokens}")
         self.reasoning_tokens, self.reasoning_prompt = reasoning_tokens, reasoning_prompt
-        if weights not in ("shared", "own"):
-            raise ValueError(f"GenerativeCritic: weights must be 'shared' or 'own', got {weights!r}")
+        if weights not in ("shared", "own", "adapter"):
+            raise ValueError(f"GenerativeCritic: weights must be 'shared', 'own' or 'adapter', got {weights!r}")
         self.weights = weights
-        self.model: nn.Module | None = None  # weights="own": the critic's copy of the policy (``attach``)
+        #: what the critic reads unless shared (``attach``): its copy of the policy, or a view of its adapters
+        self.model: nn.Module | None = None
         self.calls = 0  # contexts valued by ``values``
 
     def attach(self, policy: nn.Module) -> nn.Module | None:
-        """With ``weights="own"``, the critic's model: a copy of ``policy`` (as it is now: the warm start) that the
-        critic reads and trains from here on. The method registers it as a submodule (so it is checkpointed,
-        moved and optimised: ``parameter_groups``) and lists its parameters in ``trainable_parameters``.
-        ``None`` with ``weights="shared"``."""
+        """Give the critic its weights; returns the module the method registers as a submodule (so it is
+        checkpointed, moved and optimised: ``parameter_groups``, listed in ``trainable_parameters``), if any.
+
+        ``"own"``: a copy of ``policy`` (as it is now: the warm start), returned. ``"adapter"``: adapters ``ADAPTER``
+        added to ``policy`` (``models.adapters.add_adapter``; they are checkpointed with it), read through an
+        ``AdapterView``; ``None`` is returned. ``"shared"``: nothing; ``None``."""
+        if self.weights == "adapter":
+            add_adapter(policy, self.ADAPTER)
+            self.model = AdapterView(policy, self.ADAPTER)
+            return None
         self.model = copy.deepcopy(policy) if self.weights == "own" else None
         return self.model
 
     def parameter_groups(self) -> list[dict[str, Any]]:
-        """The optimiser group of the critic's own weights (``[]`` when shared), the policy's settings."""
-        return [] if self.model is None else [{"params": list(self.model.parameters()), "name": "critic"}]
+        """The optimiser group of the critic's own weights or adapters (``[]`` when shared), the policy's
+        settings."""
+        if self.model is None:
+            return []
+        params = (adapter_parameters(self.model.target, self.ADAPTER) if isinstance(self.model, AdapterView)
+                  else list(self.model.parameters()))
+        return [{"params": params, "name": "critic"}]
 
     def network(self, module: Any) -> nn.Module:
-        """The model the critic reads: its own (``weights="own"``) or the module's policy."""
+        """The model the critic reads: its own (``"own"``), its adapters' view (``"adapter"``) or the policy."""
         self._check_attached(module)
         return module.policy if self.model is None else self.model
 
     def _check_attached(self, module: Any) -> None:
-        if self.weights == "own" and self.model is None:
-            raise ValueError(f"{type(module).__name__}: GenerativeCritic(weights='own') was never given its weights: "
+        if self.weights != "shared" and self.model is None:
+            raise ValueError(f"{type(module).__name__}: GenerativeCritic(weights={self.weights!r}) was never given its "
+                             "weights: "
                              "the method must call critic.attach(policy) and optimise critic.parameter_groups() "
                              "(TEMPO does)")
 

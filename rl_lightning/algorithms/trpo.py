@@ -43,6 +43,7 @@ from rl_lightning.functional import group_advantages, sampling_log_softmax
 from rl_lightning.functional.trpo import (
     backtracking_line_search, categorical_kl, fisher_vector_product, gauss_newton_vector_product, importance_surrogate,
 )
+from rl_lightning.models.adapters import policy_parameters
 from rl_lightning.models.value import CriticMode
 from rl_lightning.rollout.batch import RolloutBatch
 
@@ -165,7 +166,7 @@ class TRPO(RLModule):
 
     @override
     def trainable_parameters(self) -> list[nn.Parameter]:
-        return [p for p in self.policy.parameters() if p.requires_grad]
+        return policy_parameters(self.policy)
 
     @override
     def check_datamodule(self, datamodule: Any) -> None:

@@ -12,7 +12,10 @@ of the library needs from adapters is here:
   copy (the reference model of a KL penalty: ``RLModule.load_frozen_copy``);
 * ``merged_state_dict`` -- the base model's weights with every adapter merged in, under the base model's names (an
   engine that takes plain weights, an export);
-* ``frozen_state_keys`` -- the state-dict entries a checkpoint can leave out (the base is reloaded from its path).
+* ``frozen_state_keys`` -- the state-dict entries a checkpoint can leave out (the base is reloaded from its path);
+* ``add_adapter`` / ``AdapterView`` / ``adapter_parameters`` -- a second set of adapters on the same frozen base (a
+  critic's), run alone through a view, trained in a parameter group of its own; the policy's adapter is
+  ``POLICY_ADAPTER``, and only it is merged, exported or stepped with the policy (``policy_parameters``).
 
 ``peft`` is an optional extra (``pip install -e ".[lora]"``); asking for adapters without it is one line.
 """
@@ -20,6 +23,8 @@ of the library needs from adapters is here:
 from __future__ import annotations
 
 import functools
+import re
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -32,6 +37,8 @@ from rl_lightning.functional.errors import ConfigError
 
 #: the projections of a Llama-family decoder layer (attention and MLP): LoRA's usual targets
 LLAMA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: the name of the policy's own adapter (peft's default name); other adapters (``add_adapter``) belong to critics
+POLICY_ADAPTER = "default"
 
 
 @dataclass
@@ -115,9 +122,11 @@ def has_adapters(model: nn.Module) -> bool:
 @contextmanager
 def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
     """Run ``model`` as its base model inside the block (peft's ``enable_adapters(False)`` on every adapted layer;
-    restored on exit, also on an error)."""
+    restored on exit, also on an error). Which parameters require gradients is left as it was (peft's
+    ``enable_adapters(True)`` would freeze every adapter but the active one)."""
     layers = _adapter_layers(model)
     before = [layer.disable_adapters for layer in layers]
+    flags = _adapter_flags(model)
     for layer in layers:
         layer.enable_adapters(False)
     try:
@@ -125,6 +134,16 @@ def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
     finally:
         for layer, disabled in zip(layers, before):
             layer.enable_adapters(not disabled)
+        _restore(flags)
+
+
+def _adapter_flags(model: nn.Module) -> list[tuple[nn.Parameter, bool]]:
+    return [(p, p.requires_grad) for n, p in model.named_parameters() if ".lora_" in n]
+
+
+def _restore(flags: list[tuple[nn.Parameter, bool]]) -> None:
+    for parameter, flag in flags:
+        parameter.requires_grad_(flag)
 
 
 class BaseModelView(nn.Module):
@@ -142,10 +161,14 @@ class BaseModelView(nn.Module):
         # the forward shows ``model.forward``'s signature (callers read its keywords, e.g. the cache's name)
         @functools.wraps(model.forward)
         def forward(*args: Any, **kwargs: Any) -> Any:
-            with adapters_disabled(model):
+            with self.running():
                 return model(*args, **kwargs)
 
         self.forward = forward
+
+    def running(self) -> Any:
+        """The context ``model`` runs in for this view's forward: its adapters off."""
+        return adapters_disabled(self.target)
 
     @property
     def target(self) -> nn.Module:
@@ -174,10 +197,93 @@ class BaseModelView(nn.Module):
         return self
 
 
+class AdapterView(BaseModelView):
+    """``model`` with only its adapter ``name`` on (``add_adapter``): the frozen base plus that adapter, e.g. a
+    critic's, sharing every weight with ``model`` and owning none (as ``BaseModelView``). A forward through it
+    back-propagates into adapter ``name`` only; ``model`` run directly stays the policy (``POLICY_ADAPTER``)."""
+
+    def __init__(self, model: nn.Module, name: str) -> None:
+        if name not in adapter_names(model):
+            raise ConfigError(f"AdapterView: the model has no adapter {name!r} (its adapters: "
+                              f"{adapter_names(model)}); add it with add_adapter")
+        super().__init__(model)
+        self.adapter = name
+
+    def running(self) -> Any:
+        return only_adapter(self.target, self.adapter)
+
+
+def adapter_names(model: nn.Module) -> list[str]:
+    """The names of ``model``'s adapters, the policy's (``POLICY_ADAPTER``) first; ``[]`` without adapters."""
+    layers = _adapter_layers(model)
+    return list(layers[0].lora_A.keys()) if layers else []
+
+
+def add_adapter(model: nn.Module, name: str) -> None:
+    """Add adapters called ``name`` to ``model`` (a policy with LoRA, ``add_lora``) on the layers and with the settings
+    of its own; ``B = 0``, so through ``AdapterView(model, name)`` it computes the base model at first. The policy's
+    adapter stays the one ``model``'s own forward runs; the new one trains (``adapter_parameters``). ``A`` is drawn
+    from the global torch RNG, as in ``add_lora``.
+
+    Raises:
+        ConfigError: ``model`` has no adapters (a critic's adapters sit on the policy's frozen base), or already has
+            one called ``name``.
+    """
+    if not has_adapters(model):
+        raise ConfigError(f"adapters {name!r} need LoRA on the policy (model.init_args.lora, e.g. "
+                          "configs/presets/lora.yaml): they share its frozen base")
+    if name in adapter_names(model):
+        raise ConfigError(f"the model already has adapters called {name!r}")
+    with warnings.catch_warnings():  # peft warns that the model gets a second adapter: that is the point here
+        warnings.filterwarnings("ignore", message=".*multiple adapters.*")
+        _peft().inject_adapter_in_model(peft_config(LoraSettings(**model.lora_settings)), model, adapter_name=name)
+    for layer in _adapter_layers(model):
+        layer.set_adapter(POLICY_ADAPTER)  # peft activates the new adapter: the policy's forward stays the policy's
+    _restore([(p, True) for p, _ in _adapter_flags(model)])  # set_adapter froze the inactive ones; every adapter trains
+
+
+def _adapter_key(name: str) -> re.Pattern[str]:
+    return re.compile(rf"\.lora_[A-Za-z_]+\.{re.escape(name)}(\.|$)")
+
+
+def adapter_parameters(model: nn.Module, name: str) -> list[nn.Parameter]:
+    """The parameters of ``model``'s adapter ``name``, in ``named_parameters`` order."""
+    key = _adapter_key(name)
+    return [p for n, p in model.named_parameters() if key.search(n)]
+
+
+def policy_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """``model``'s trainable parameters less those of other adapters than the policy's (``add_adapter``'s, which
+    their owner optimises): what the policy's optimiser group steps."""
+    others = [_adapter_key(name) for name in adapter_names(model) if name != POLICY_ADAPTER]
+    return [p for n, p in model.named_parameters() if p.requires_grad and not any(k.search(n) for k in others)]
+
+
+@contextmanager
+def only_adapter(model: nn.Module, name: str) -> Iterator[nn.Module]:
+    """Run ``model`` with only its adapter ``name`` on inside the block (restored on exit, also on an error). Which
+    parameters require gradients is left as it was, so a backward after the block still reaches the adapter."""
+    layers = _adapter_layers(model)
+    before = [list(layer.active_adapters) for layer in layers]
+    flags = _adapter_flags(model)
+
+    def activate(names: list[list[str]]) -> None:
+        for layer, active in zip(layers, names):
+            layer.set_adapter(active)
+        _restore(flags)  # set_adapter also freezes the inactive adapters: undo that
+
+    activate([[name]] * len(layers))
+    try:
+        yield model
+    finally:
+        activate(before)
+
+
 @torch.no_grad()
 def merged_state_dict(model: nn.Module) -> dict[str, Tensor]:
-    """``model``'s weights with every adapter merged (``W + (α/r) B A``), under the base model's names; for a model
-    without adapters, its state dict. New tensors: ``model`` is not changed."""
+    """``model``'s weights with the policy's adapter merged (``W + (α/r) B A``; a critic's adapters are left out),
+    under the base model's names; for a model without adapters, its state dict. New tensors: ``model`` is not
+    changed."""
     adapted = set(_adapter_layers(model))
     layers = {name: m for name, m in model.named_modules() if m in adapted}
     if not layers:
@@ -192,17 +298,17 @@ def merged_state_dict(model: nn.Module) -> dict[str, Tensor]:
             layer = layers[layer_name]
             if leaf == "weight":
                 value = value.clone()
-                for adapter in layer.active_adapters:
-                    if adapter in layer.lora_A:
-                        value += layer.get_delta_weight(adapter).to(value.dtype)
+                if POLICY_ADAPTER in layer.lora_A:  # the policy's adapter, never a critic's
+                    value += layer.get_delta_weight(POLICY_ADAPTER).to(value.dtype)
             key = f"{layer_name}.{leaf}"
         merged[key] = value
     return merged
 
 
-def adapter_state_dict(model: nn.Module) -> dict[str, Tensor]:
-    """The adapter weights of ``model`` only (what trains), under ``model``'s names."""
-    return {k: v for k, v in model.state_dict().items() if ".lora_" in k}
+def adapter_state_dict(model: nn.Module, name: str = POLICY_ADAPTER) -> dict[str, Tensor]:
+    """The weights of ``model``'s adapter ``name`` only (by default the policy's), under ``model``'s names."""
+    key = _adapter_key(name)
+    return {k: v for k, v in model.state_dict().items() if key.search(k)}
 
 
 def frozen_state_keys(model: nn.Module, prefix: str = "") -> set[str]:

@@ -198,3 +198,57 @@ def test_a_critic_on_weights_of_its_own_trains_them_and_leaves_the_policy_alone(
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in shared.policy.parameters())
     with pytest.raises(ValueError, match="never given its weights"):
         GenerativeCritic(weights="own").values(shared, contexts)
+
+
+def test_a_critic_on_adapters_of_its_own_trains_them_and_leaves_the_policy_alone():
+    """GenerativeCritic(weights="adapter") on a LoRA policy: the critic's rows back-propagate into its adapters only
+    (not the policy's, not the frozen base), the policy's forward and its merged weights do not change when the
+    critic's adapters do, the critic's values do, and the adapters are optimised in their own group and
+    checkpointed with the policy. Without LoRA on the policy it is refused in one line."""
+    from rl_lightning import ConfigError
+    from rl_lightning.algorithms.auxiliary import run_auxiliary
+    from rl_lightning.algorithms.metrics import UpdateMetrics
+    from rl_lightning.models.adapters import AdapterView, LoraSettings, adapter_parameters, merged_state_dict
+
+    torch.manual_seed(0)
+    module = TEMPO(model_name_or_path="embedded:guess", critic=GenerativeCritic(weights="adapter"),
+                   lora=LoraSettings(rank=4, alpha=8.0))
+    module.manual_backward = lambda loss: loss.backward()  # what run_auxiliary calls, without a Trainer
+    assert module.critic_model is None and isinstance(module.critic.model, AdapterView)
+    critic_params = adapter_parameters(module.policy, "critic")
+    assert len(critic_params) == 2 * 7 * 4  # A and B of 7 projections in each of 4 layers
+    policy_group, critic_group = module.parameter_groups()
+    assert critic_group["name"] == "critic"
+    assert {id(p) for p in critic_group["params"]} == {id(p) for p in critic_params}
+    assert not {id(p) for p in policy_group["params"]} & {id(p) for p in critic_params}  # no parameter in two groups
+    assert len(module.trainable_parameters()) == len(policy_group["params"]) + len(critic_params)
+    assert any(".lora_A.critic." in k for k in module.state_dict())  # checkpointed with the policy
+
+    ids = module.tokenizer("guess 1-31:5", return_tensors="pt")["input_ids"]
+    policy_logits = module.policy(input_ids=ids).logits
+    merged = merged_state_dict(module.policy)
+    contexts = [module.critic.context(module, ids[0].tolist())]
+    rows = module.critic.ce_rows(module, contexts, torch.tensor([1.0]))
+    assert rows.model is module.critic.model
+    run_auxiliary(module, [(rows, torch.arange(1), 1.0)], UpdateMetrics(), 0, 0)
+    assert all(p.grad is None for p in policy_group["params"])
+    assert all(p.grad is None for p in module.policy.parameters() if not p.requires_grad)
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in critic_params)
+    before = module.critic.values(module, contexts)
+    with torch.no_grad():
+        for p in critic_params:
+            p.add_(0.05 * torch.randn_like(p))
+    assert not torch.equal(module.critic.values(module, contexts), before)  # read through its adapters
+    assert torch.equal(module.policy(input_ids=ids).logits, policy_logits)  # the actor computes what it did
+    after = merged_state_dict(module.policy)  # what a sampler and an export take: the policy's adapter only
+    assert after.keys() == merged.keys() and all(torch.equal(after[k], merged[k]) for k in merged)
+    assert all(p.requires_grad for p in critic_params)  # reading through the view leaves them trainable
+    state = module.state_dict()
+    assert not any(".lora_" not in k for k in state)  # a checkpoint holds adapters only, the critic's among them
+    torch.manual_seed(1)  # other initial adapters: what the state restores must be the critic's trained values
+    fresh = TEMPO(model_name_or_path="embedded:guess", critic=GenerativeCritic(weights="adapter"),
+                  lora=LoraSettings(rank=4, alpha=8.0))
+    fresh.load_state_dict(state)  # strict
+    assert torch.equal(fresh.critic.values(fresh, contexts), module.critic.values(module, contexts))
+    with pytest.raises(ConfigError, match=r"adapters 'critic' need LoRA on the policy \(model.init_args.lora"):
+        TEMPO(model_name_or_path="embedded:guess", critic=GenerativeCritic(weights="adapter"))

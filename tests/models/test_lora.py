@@ -12,7 +12,8 @@ from rl_lightning import ConfigError
 from rl_lightning.algorithms import GRPO
 from rl_lightning.callbacks import KLRegularizer
 from rl_lightning.models.adapters import (
-    BaseModelView, LoraSettings, adapter_state_dict, add_lora, adapters_disabled, merged_state_dict,
+    AdapterView, BaseModelView, LoraSettings, adapter_names, adapter_parameters, adapter_state_dict, add_adapter,
+    add_lora, adapters_disabled, merged_state_dict, only_adapter, policy_parameters,
 )
 from rl_lightning.models.policy import load_policy
 from tests.conftest import RecordBatches, RecordRollouts, tiny_datamodule, tiny_trainer
@@ -77,6 +78,50 @@ def test_the_base_view_is_the_base_model_without_a_copy():
     with pytest.raises(RuntimeError, match="boom"), adapters_disabled(module.policy):
         raise RuntimeError("boom")
     assert torch.equal(module.policy(input_ids=ids).logits, adapted)  # restored after an error too
+
+
+def test_a_second_adapter_runs_alone_on_the_shared_base_and_is_never_the_policys():
+    """``add_adapter`` (a critic's adapters): through its ``AdapterView`` the model is the base plus that adapter only
+    (the base exactly while its B is 0; the policy's adapter plays no part); the model's own forward, its merged
+    weights, its adapter export and its policy parameters stay the policy's; the base view turns both off."""
+    module = _module()
+    _perturb(module.policy)
+    policy = module.policy
+    ids = torch.randint(3, 90, (2, 8), generator=torch.Generator().manual_seed(0))
+    adapted, merged = policy(input_ids=ids).logits, merged_state_dict(policy)
+    add_adapter(policy, "critic")
+    assert adapter_names(policy) == ["default", "critic"]
+    base, _ = load_policy("embedded:arithmetic")
+    view = AdapterView(policy, "critic")
+    assert list(view.named_parameters()) == []  # owns nothing
+    assert torch.equal(view(input_ids=ids).logits, base(input_ids=ids).logits)  # B = 0 and the policy's adapter off
+    assert torch.equal(policy(input_ids=ids).logits, adapted)  # the policy's forward is the policy's
+    critic = adapter_parameters(policy, "critic")
+    assert len(critic) == 2 * 7 * 4 and all(p.requires_grad for p in critic)
+    assert not {id(p) for p in critic} & {id(p) for p in policy_parameters(policy)}
+    assert len(policy_parameters(policy)) == 2 * 7 * 4
+    with torch.no_grad():
+        for p in critic:
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(2)))
+    assert not torch.equal(view(input_ids=ids).logits, base(input_ids=ids).logits)  # now the critic's adapter acts
+    assert torch.equal(policy(input_ids=ids).logits, adapted)
+    assert torch.equal(module.load_frozen_copy()(input_ids=ids).logits, base(input_ids=ids).logits)  # both off
+    again = merged_state_dict(policy)
+    assert again.keys() == merged.keys() and all(torch.equal(again[k], merged[k]) for k in merged)
+    assert adapter_state_dict(policy) and all(".default." in k for k in adapter_state_dict(policy))
+    assert all(".critic." in k for k in adapter_state_dict(policy, "critic"))
+    view(input_ids=ids).logits.sum().backward()  # a backward through the view reaches the critic's adapter only
+    assert all(p.grad is not None for p in critic) and all(p.grad is None for p in policy_parameters(policy))
+    with pytest.raises(RuntimeError, match="boom"), only_adapter(policy, "critic"):
+        raise RuntimeError("boom")
+    assert torch.equal(policy(input_ids=ids).logits, adapted)  # restored after an error too
+    assert all(p.requires_grad for p in critic) and all(p.requires_grad for p in policy_parameters(policy))
+    with pytest.raises(ConfigError, match="already has adapters called 'critic'"):
+        add_adapter(policy, "critic")
+    with pytest.raises(ConfigError, match="has no adapter 'judge'"):
+        AdapterView(policy, "judge")
+    with pytest.raises(ConfigError, match=r"need LoRA on the policy \(model.init_args.lora"):
+        add_adapter(base, "critic")
 
 
 def test_merged_weights_compute_what_the_adapted_model_computes():
