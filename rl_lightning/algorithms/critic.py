@@ -49,7 +49,8 @@ class CriticLearner:
     Args:
         module: the method (an ``RLModule``) whose policy, tokenizer and backward the critic uses.
         mode: ``shared`` -- a value head on the policy backbone; ``separate`` -- its own network, initialised
-            from ``model_name_or_path`` (default: the policy's checkpoint).
+            from ``model_name_or_path`` (default: the policy's checkpoint); ``adapter`` -- LoRA adapters of its own
+            on the LoRA policy's frozen base, and a head (``models.value.Critic``; needs ``model.init_args.lora``).
         lr: learning rate of the critic's parameter group (``None``: the policy optimiser's).
         value_bounds: ``[R_min, R_max]``: a bounded value head (BPCO), ``None``: a linear one.
         value_clip: ε_v of the clipped value loss (``None``: plain squared error).
@@ -74,9 +75,9 @@ class CriticLearner:
             ("value_bounds", value_bounds, value_bounds is None or (len(value_bounds) == 2
                                                                     and value_bounds[0] < value_bounds[1]),
              "must be [R_min, R_max] with R_min < R_max, or null"),
-            ("critic_reference", reference, reference is None or (mode == "separate" and "{answer}" in reference),
-             f"needs critic: separate (a head on the policy would let the policy read it) and an {{answer}} field "
-             f"(critic={mode!r})")])
+            ("critic_reference", reference, reference is None or (mode != "shared" and "{answer}" in reference),
+             f"needs critic: separate or adapter (a head on the policy would let the policy read it) and an "
+             f"{{answer}} field (critic={mode!r})")])
         self.module, self.mode, self.lr, self.value_clip = module, mode, lr, value_clip
         self.updates, self.minibatches = updates, minibatches
         self.max_grad_norm, self.reference = max_grad_norm, reference
@@ -92,7 +93,7 @@ class CriticLearner:
 
     def parameter_group(self) -> dict[str, Any]:
         """The critic's optimiser parameter group (named ``critic``: logged as ``train/lr_critic``)."""
-        group: dict[str, Any] = {"params": list(self.model.parameters()), "name": "critic"}
+        group: dict[str, Any] = {"params": self.model.trainable(), "name": "critic"}
         if self.lr is not None:
             group["lr"] = self.lr
         return group
@@ -154,7 +155,7 @@ class CriticLearner:
         if rows % self.minibatches:
             raise ValueError(f"{type(module).__name__}: critic_minibatches={self.minibatches} does not divide the "
                              f"{rows} rows of a rollout batch")
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        params = [p for p in self.model.trainable() if p.requires_grad]
         for update in range(self.updates):
             order = torch.arange(rows, device=batch.loss_mask.device)
             if self.minibatches > 1:
@@ -206,4 +207,4 @@ class CriticLearner:
         return {"train/explained_variance": [explained_variance(adv.values, adv.returns, batch.loss_mask)]}
 
     def parameters(self) -> list[nn.Parameter]:
-        return list(self.model.parameters())
+        return self.model.trainable()

@@ -23,6 +23,7 @@ from rl_lightning.algorithms.base import Metrics, PolicyOutput, RLModule
 from rl_lightning.algorithms.critic import CriticLearner
 from rl_lightning.algorithms.metrics import Summed, clip_metrics
 from rl_lightning.functional import AggregationMode, aggregate, clip_statistics, clipped_surrogate
+from rl_lightning.models.adapters import actor_parameters
 from rl_lightning.models.value import CriticMode
 from rl_lightning.rollout.batch import RolloutBatch
 
@@ -32,7 +33,8 @@ class PPO(RLModule):
 
     Args:
         critic: ``shared`` -- a value head on the policy backbone; ``separate`` -- its own network,
-            initialised from ``critic_model_name_or_path`` (default: the policy's checkpoint).
+            initialised from ``critic_model_name_or_path`` (default: the policy's checkpoint); ``adapter`` -- LoRA
+            adapters of its own on the LoRA policy's frozen base, and a head (needs ``lora``; no second model).
         critic_model_name_or_path: checkpoint of the separate critic (``None``: ``model_name_or_path``).
         critic_lr: learning rate of the critic's parameters (``None``: the policy optimiser's).
         gamma: discount γ (LLM practice: 1.0).
@@ -85,7 +87,7 @@ class PPO(RLModule):
 
     @override
     def trainable_parameters(self) -> list[nn.Parameter]:
-        return [*self.policy.parameters(), *self.critic_learner.parameters()]
+        return [*actor_parameters(self.policy), *self.critic_learner.parameters()]
 
     # ------------------------------------------------------------------ hooks
     @override

@@ -43,7 +43,7 @@ from rl_lightning.functional import group_advantages, sampling_log_softmax
 from rl_lightning.functional.trpo import (
     backtracking_line_search, categorical_kl, fisher_vector_product, gauss_newton_vector_product, importance_surrogate,
 )
-from rl_lightning.models.adapters import policy_parameters
+from rl_lightning.models.adapters import actor_parameters, policy_parameters
 from rl_lightning.models.value import CriticMode
 from rl_lightning.rollout.batch import RolloutBatch
 
@@ -151,7 +151,7 @@ class TRPO(RLModule):
     @override
     def configure_optimizers(self) -> Any:
         # The policy "optimiser" only applies the accepted step: grad = -step, lr = 1 -> θ += step.
-        policy = torch.optim.SGD(self.policy.parameters(), lr=1.0, momentum=0.0, weight_decay=0.0)
+        policy = torch.optim.SGD(actor_parameters(self.policy), lr=1.0, momentum=0.0, weight_decay=0.0)
         if self.critic_learner is None:
             return policy
         return [policy, torch.optim.Adam([self.critic_learner.parameter_group()], lr=self.critic_lr)]

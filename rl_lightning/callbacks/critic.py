@@ -27,6 +27,9 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
+from rl_lightning.models.adapters import actor_parameters
+from rl_lightning.models.value import Critic
+
 
 def _policy_and_critic(owner: str, pl_module: LightningModule) -> tuple[nn.Module, nn.Module]:
     """``(pl_module.policy, pl_module.critic)``, or a clear error naming the callback and the module class."""
@@ -41,9 +44,11 @@ def _policy_and_critic(owner: str, pl_module: LightningModule) -> tuple[nn.Modul
 
 
 def _own_critic_parameters(policy: nn.Module, critic: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """The critic's named parameters that are not also the policy's (a shared backbone belongs to the policy)."""
-    shared = {id(p) for p in policy.parameters()}
-    return [(n, p) for n, p in critic.named_parameters() if id(p) not in shared]
+    """The critic's named parameters that are not also the actor's (a shared backbone belongs to the policy; a
+    ``models.value.Critic`` in ``adapter`` mode adds its adapters, which live in the policy: ``named_trainable``)."""
+    shared = {id(p) for p in actor_parameters(policy)}
+    named = critic.named_trainable() if isinstance(critic, Critic) else list(critic.named_parameters())
+    return [(n, p) for n, p in named if id(p) not in shared]
 
 
 class _FlagKeeper:
@@ -112,7 +117,7 @@ class CriticWarmup(Callback):
         warm = trainer.global_step < self.steps
         policy, _ = _policy_and_critic("CriticWarmup", pl_module)
         if warm:
-            if self._frozen.freeze(list(policy.parameters())):
+            if self._frozen.freeze(actor_parameters(policy)):  # a critic's adapters in the policy keep training
                 rank_zero_info(f"CriticWarmup: actor frozen, critic-only steps until step {self.steps}")
         elif self._frozen.restore():
             rank_zero_info(f"CriticWarmup: warm-up over at step {trainer.global_step}, actor unfrozen")

@@ -252,11 +252,18 @@ def adapter_parameters(model: nn.Module, name: str) -> list[nn.Parameter]:
     return [p for n, p in model.named_parameters() if key.search(n)]
 
 
-def policy_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """``model``'s trainable parameters less those of other adapters than the policy's (``add_adapter``'s, which
-    their owner optimises): what the policy's optimiser group steps."""
+def actor_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """``model``'s parameters less those of other adapters than the policy's (``add_adapter``'s, which belong to a
+    critic): the actor's weights, frozen ones included (what a critic warm-up freezes)."""
     others = [_adapter_key(name) for name in adapter_names(model) if name != POLICY_ADAPTER]
-    return [p for n, p in model.named_parameters() if p.requires_grad and not any(k.search(n) for k in others)]
+    if not others:
+        return list(model.parameters())
+    return [p for n, p in model.named_parameters() if not any(k.search(n) for k in others)]
+
+
+def policy_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The trainable ``actor_parameters``: what the policy's optimiser group steps."""
+    return [p for p in actor_parameters(model) if p.requires_grad]
 
 
 @contextmanager

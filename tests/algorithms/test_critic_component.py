@@ -133,7 +133,7 @@ def test_every_critic_method_holds_a_critic_learner():
 def test_a_reference_answer_reaches_the_critic_only():
     import pytest
 
-    with pytest.raises(ValueError, match="critic_reference needs critic: separate"):
+    with pytest.raises(ValueError, match="critic_reference needs critic: separate or adapter"):
         PPO(model_name_or_path="embedded:random", critic_reference="answer: {answer}\n")
     torch.manual_seed(0)
     module = PPO(model_name_or_path="embedded:random", critic="separate", critic_reference="answer: {answer}\n")

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lightning.pytorch import Callback
 
 from rl_lightning import ConfigError
-from rl_lightning.algorithms import GRPO
-from rl_lightning.callbacks import KLRegularizer
+from rl_lightning.algorithms import GRPO, PPO
+from rl_lightning.callbacks import CriticWarmup, KLRegularizer
 from rl_lightning.models.adapters import (
     AdapterView, BaseModelView, LoraSettings, adapter_names, adapter_parameters, adapter_state_dict, add_adapter,
     add_lora, adapters_disabled, merged_state_dict, only_adapter, policy_parameters,
@@ -198,3 +199,59 @@ def test_checkpoints_hold_the_adapters_only_and_resume_bit_identically(tmp_path)
     tiny_trainer(tmp_path / "c", max_steps=3).fit(resumed, datamodule=tiny_datamodule(), ckpt_path=str(path))
     for (name, a), (_, b) in zip(straight.policy.named_parameters(), resumed.policy.named_parameters()):
         assert torch.equal(a, b), name
+
+
+def _ppo_with_adapter_critic() -> PPO:
+    torch.manual_seed(0)
+    return PPO(model_name_or_path="embedded:arithmetic", lora=LORA, critic="adapter",
+               optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
+
+
+def test_a_value_critic_on_adapters_of_its_own_trains_them_alone_and_resumes_bit_identically(tmp_path):
+    """PPO(critic="adapter") on a LoRA policy: the critic is its head plus adapters of its own on the frozen base
+    (one model in memory). The optimiser groups are disjoint; a critic warm-up step moves the critic's adapters and
+    head but not the policy's adapter; later steps move both; the checkpoint holds every adapter and the head, and a
+    resume is bit-identical to the straight run."""
+    module = _ppo_with_adapter_critic()
+    critic_adapters = adapter_parameters(module.policy, "critic")
+    assert len(critic_adapters) == 2 * 7 * 4
+    assert len(module.critic.named_trainable()) == 2 + len(critic_adapters)  # the head's weight and bias
+    policy_group, critic_group = module.parameter_groups()
+    assert not {id(p) for p in policy_group["params"]} & {id(p) for p in critic_group["params"]}
+    trainable = [id(p) for p in module.trainable_parameters() if p.requires_grad]  # the frozen base is listed too
+    assert len(trainable) == len(set(trainable)) == len(policy_group["params"]) + len(critic_group["params"])
+
+    def snapshot(params):  # noqa: ANN001, ANN202
+        return [p.detach().clone() for p in params]
+
+    policy0, critic0 = snapshot(policy_group["params"]), snapshot(critic_group["params"])
+
+    class AfterStep(Callback):
+        def __init__(self) -> None:
+            self.policy, self.critic = [], []
+
+        def on_train_batch_end(self, *args) -> None:  # noqa: ANN002
+            self.policy.append(snapshot(policy_group["params"]))
+            self.critic.append(snapshot(critic_group["params"]))
+
+    steps = AfterStep()
+    tiny_trainer(tmp_path / "a", max_steps=3, callbacks=[CriticWarmup(1), steps]).fit(
+        module, datamodule=tiny_datamodule())
+    same = lambda a, b: all(torch.equal(x, y) for x, y in zip(a, b))  # noqa: E731
+    assert same(steps.policy[0], policy0) and not same(steps.critic[0], critic0)  # warm-up: the critic alone
+    assert not same(steps.policy[2], policy0) and not same(steps.critic[2], steps.critic[1])
+    assert all(p.requires_grad for p in critic_adapters)  # every flag restored after the warm-up
+
+    first = _ppo_with_adapter_critic()
+    trainer = tiny_trainer(tmp_path / "b", max_steps=2, callbacks=[CriticWarmup(1)])
+    trainer.fit(first, datamodule=tiny_datamodule())
+    path = tmp_path / "b.ckpt"
+    trainer.save_checkpoint(path)
+    state = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+    assert {k for k in state if ".lora_" not in k} == {"critic.head.proj.weight", "critic.head.proj.bias"}
+    assert any(".lora_A.critic." in k for k in state) and any(".lora_A.default." in k for k in state)
+    resumed = _ppo_with_adapter_critic()
+    tiny_trainer(tmp_path / "c", max_steps=3, callbacks=[CriticWarmup(1)]).fit(
+        resumed, datamodule=tiny_datamodule(), ckpt_path=str(path))
+    for a, b in zip(module.trainable_parameters(), resumed.trainable_parameters()):
+        assert torch.equal(a, b)
