@@ -68,6 +68,12 @@ def test_print_config_prints_the_resolved_config(tmp_path):
     assert "class_path: rl_lightning.algorithms.GRPO" in proc.stdout
     assert "max_steps: 7" in proc.stdout
     assert "logprob_chunk_size: 256" in proc.stdout  # base-class defaults are resolved too
+    short = _cli("fit", "--config", str(REPO / "configs" / "grpo.yaml"), "--trainer.max_steps", "7",
+                 "--print_config=skip_default", cwd=tmp_path)  # the README's short form: what differs from defaults
+    assert short.returncode == 0, short.stderr[-2000:]
+    assert "max_steps: 7" in short.stdout and "max_new_tokens: 6" in short.stdout
+    assert "logprob_chunk_size" not in short.stdout and "clip_eps_low" not in short.stdout  # at their defaults
+    assert len(short.stdout.splitlines()) < len(proc.stdout.splitlines()) / 2
 
 
 @pytest.mark.parametrize(
