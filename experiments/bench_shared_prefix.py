@@ -42,7 +42,8 @@ import torch  # noqa: E402
 
 from rl_lightning.algorithms import GRPO  # noqa: E402
 from rl_lightning.rollout import RolloutBatch  # noqa: E402
-from rl_lightning.rollout.generation import sample  # noqa: E402
+from rl_lightning.rollout import SamplingParams  # noqa: E402
+from rl_lightning.rollout.generation import DecodeOptions, sample  # noqa: E402
 from bench_skipping import _config, _module, _Optimizer, real_batches  # noqa: E402  (same directory)
 
 GROUP, LONG_NEW, INSTRUCTION_TOKENS = 8, 32, 200
@@ -83,8 +84,8 @@ def generate(module: GRPO, ids: torch.Tensor, mask: torch.Tensor, max_new: int, 
     tok = module.tokenizer
     module.policy.eval()
     try:
-        return sample(module.policy, ids, mask, max_new, tok.eos_token_id, tok.pad_token_id,
-                      generator=torch.Generator().manual_seed(seed), share_prefill=share)
+        return sample(module.policy, ids, mask, SamplingParams(max_new, tok.eos_token_id, tok.pad_token_id),
+                      torch.Generator().manual_seed(seed), options=DecodeOptions(share_prefill=share))
     finally:
         module.policy.train()
 

@@ -158,6 +158,7 @@ def run_ours(ckpt: Path, steps: int, warmup: int, device: str = "cpu") -> dict:
               "peak_rss_mb": common.peak_mb(device)}
 
     # The raw work: the same engine sampling the same number of prompts/tokens, plus one forward/backward.
+    from rl_lightning.rollout import SamplingParams
     from rl_lightning.rollout.generation import sample
 
     tok, policy = module.tokenizer, module.policy
@@ -172,8 +173,8 @@ def run_ours(ckpt: Path, steps: int, warmup: int, device: str = "cpu") -> dict:
         common.synchronize(device)
         t0 = time.perf_counter()
         policy.eval()
-        gen = sample(policy, ids, mask, MAX_NEW, tok.eos_token_id, tok.pad_token_id,
-                     generator=torch.Generator(device=device).manual_seed(0))
+        gen = sample(policy, ids, mask, SamplingParams(MAX_NEW, tok.eos_token_id, tok.pad_token_id),
+                     torch.Generator(device=device).manual_seed(0))
         policy.train()
         common.synchronize(device)
         t1 = time.perf_counter()

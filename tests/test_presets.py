@@ -199,7 +199,7 @@ def test_the_hard_warm_start_is_right_10_to_25_percent_of_the_time_on_the_preset
     ``val/reward`` computes it (BOS + prompt, greedy, cut at EOS). Deterministic: 0.200 on these 200 and on
     all 500 (``warm_start.json``; the 2-digit warm start ``embedded:arithmetic`` scores 0.0 on them)."""
     from rl_lightning.models.policy import load_policy
-    from rl_lightning.rollout.generation import sample
+    from rl_lightning.rollout import SamplingParams, sample
 
     data = instantiate(parse_only("--config", str(GRPO), "--config", str(HARD))).data
     task = data.task
@@ -212,8 +212,8 @@ def test_the_hard_warm_start_is_right_10_to_25_percent_of_the_time_on_the_preset
     width = max(len(r) for r in rows)
     input_ids = torch.tensor([[tok.pad_token_id] * (width - len(r)) + r for r in rows])
     attention_mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-    out = sample(model, input_ids, attention_mask, max_new_tokens=data.max_new_tokens,
-                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, greedy=True)
+    out = sample(model, input_ids, attention_mask, SamplingParams(
+        max_tokens=data.max_new_tokens, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, greedy=True))
     correct = 0
     for prompt, ids, mask in zip(prompts, out.response_ids.tolist(), out.mask.tolist()):
         ids = [i for i, m in zip(ids, mask) if m and i != tok.eos_token_id]

@@ -28,12 +28,8 @@ from typing import Callable, ClassVar
 import torch
 from torch import Tensor, nn
 
-from rl_lightning.rollout.generation import Generation
+from rl_lightning.rollout.generation import AUX_DRAWS, TOPK, Generation, SamplingParams  # noqa: F401
 
-#: records the sampling distribution's top-k ids and their log-probs per sampled position
-TOPK = "topk"
-#: records independent auxiliary draws from the sampling distribution per sampled position
-AUX_DRAWS = "aux_draws"
 #: runs multi-turn sessions (``open_session``)
 SESSIONS = "sessions"
 #: generates with an ``nn.Module`` in this process: it can sample with the learner's policy itself (no copy, no
@@ -44,40 +40,6 @@ IN_PROCESS = "in_process"
 StopCheck = Callable[[int, list[int]], bool]
 #: per sampled id of a row: (top-k ids [k], their log-probs [k], auxiliary draws [K]); each None unless asked for
 TokenExtras = tuple[Tensor | None, Tensor | None, Tensor | None]
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """The explicit settings of one ``generate`` call or session.
-
-    Attributes:
-        max_tokens: new tokens per row (per turn in a session).
-        eos_token_id: ends a row (the EOS is one of its tokens); ``pad_token_id`` fills the positions after it.
-        temperature, top_p: tokens are drawn from ``softmax(top_p(logits / temperature))`` and the log-probs
-            returned are that distribution's (``functional.sampling_logprobs``).
-        greedy: take the argmax of the raw logits (held-out rollouts); the log-probs stay the tempered ones.
-        seed: seeds the draws (the same seed gives the same tokens); ``None``: torch's global RNG.
-        topk: also return, per sampled position, the sampling distribution's ``topk`` most likely ids and their
-            log-probs over the full vocabulary (needs ``TOPK``).
-        aux_draws: also return ``aux_draws`` draws per position from the sampling distribution, seeded by
-            ``aux_seed`` alone, so the sampled tokens are the same with or without them (needs ``AUX_DRAWS``).
-    """
-
-    max_tokens: int
-    eos_token_id: int
-    pad_token_id: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    greedy: bool = False
-    seed: int | None = None
-    topk: int = 0
-    aux_draws: int = 0
-    aux_seed: int | None = None
-
-    def needs(self) -> dict[str, str]:
-        """The capabilities these settings need, each with the setting that asks for it."""
-        needs = {TOPK: f"topk={self.topk}"} if self.topk else {}
-        return needs | ({AUX_DRAWS: f"aux_draws={self.aux_draws}"} if self.aux_draws else {})
 
 
 def seeded(seed: int | None, device: torch.device) -> torch.Generator | None:

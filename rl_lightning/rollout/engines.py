@@ -17,7 +17,6 @@ from __future__ import annotations
 import copy
 from abc import abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -28,7 +27,7 @@ from rl_lightning.rollout.engine import (
     AUX_DRAWS, IN_PROCESS, SESSIONS, TOPK, EngineSession, RolloutEngine, SamplingParams, check_capabilities,
     seeded,
 )
-from rl_lightning.rollout.generation import DEFAULT_COMPACT_BELOW, Generation, check_compact_below, sample
+from rl_lightning.rollout.generation import DEFAULT_COMPACT_BELOW, DecodeOptions, Generation, sample
 from rl_lightning.rollout.sessions import ModuleSession, evaluating, left_pad
 
 __all__ = ["HFGenerateEngine", "KVCacheEngine", "ModuleEngine", "RolloutEngine", "SamplingParams"]
@@ -67,30 +66,23 @@ class ModuleEngine(RolloutEngine):
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def generate(self, prompts: Sequence[Sequence[int]] | nn.Module, params: SamplingParams | Any = None,
-                 n: int = 1, *args: Any, **kwargs: Any) -> Generation:
-        if isinstance(prompts, nn.Module):  # the earlier signature (model, input_ids, attention_mask, ...)
-            return self.sample_padded(prompts, params, n, *args, **kwargs)
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int = 1) -> Generation:
         check_capabilities(self, params.needs())
         ids, mask = left_pad([p for p in prompts for _ in range(n)], params.pad_token_id, self.device)
-        device = ids.device
-        extras = dict(topk=params.topk, aux_draws=params.aux_draws,
-                      aux_generator=seeded(params.aux_seed, device)) if params.topk or params.aux_draws else {}
+        aux = seeded(params.aux_seed, ids.device) if params.topk or params.aux_draws else None
         with evaluating(self.model):
-            return self.sample_padded(self.model, ids, mask, params.max_tokens, params.eos_token_id,
-                                      params.pad_token_id, temperature=params.temperature, top_p=params.top_p,
-                                      greedy=params.greedy, generator=seeded(params.seed, device), **extras)
+            return self.sample_padded(self.model, ids, mask, params, seeded(params.seed, ids.device), aux)
 
     def open_session(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                      carry_cache: bool = True) -> EngineSession:
         return ModuleSession(self.model, prompts, params, carry_cache)
 
     @abstractmethod
-    def sample_padded(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, max_new_tokens: int,
-                      eos_token_id: int, pad_token_id: int, temperature: float = 1.0, top_p: float = 1.0,
-                      greedy: bool = False, generator: torch.Generator | None = None, **extras: Any) -> Generation:
-        """Up to ``max_new_tokens`` per row of a left-padded prompt batch (``[N, P]`` ids and mask) on ``model``;
-        ``extras``: ``topk``, ``aux_draws`` and ``aux_generator`` when asked for."""
+    def sample_padded(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, params: SamplingParams,
+                      generator: torch.Generator | None = None, aux_generator: torch.Generator | None = None
+                      ) -> Generation:
+        """Up to ``params.max_tokens`` per row of a left-padded prompt batch (``[N, P]`` ids and mask) on ``model``,
+        drawn with ``generator`` (``params.seed`` made it); ``aux_generator`` draws ``params.aux_draws``."""
 
 
 class KVCacheEngine(ModuleEngine):
@@ -111,19 +103,12 @@ class KVCacheEngine(ModuleEngine):
 
     def __init__(self, drop_finished: bool = True, compact_below: float = DEFAULT_COMPACT_BELOW,
                  static_cache: bool = True, share_prefill: bool = True) -> None:
-        if not isinstance(share_prefill, bool):
-            raise ValueError(f"KVCacheEngine: share_prefill must be true or false, got {share_prefill!r}")
-        self.drop_finished = drop_finished
-        self.compact_below = check_compact_below(compact_below, "KVCacheEngine")
-        self.static_cache = static_cache
-        self.share_prefill = share_prefill
+        self.options = DecodeOptions(drop_finished, compact_below, static_cache, share_prefill)
 
-    def sample_padded(self, model, input_ids, attention_mask, max_new_tokens, eos_token_id,  # noqa: ANN001
-                      pad_token_id, temperature=1.0, top_p=1.0, greedy=False, generator=None, **extras) -> Generation:
-        return sample(model, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id,
-                      temperature=temperature, top_p=top_p, greedy=greedy, generator=generator,
-                      drop_finished=self.drop_finished, compact_below=self.compact_below,
-                      static_cache=self.static_cache, share_prefill=self.share_prefill, **extras)
+    def sample_padded(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, params: SamplingParams,
+                      generator: torch.Generator | None = None, aux_generator: torch.Generator | None = None
+                      ) -> Generation:
+        return sample(model, input_ids, attention_mask, params, generator, aux_generator, self.options)
 
 
 class HFGenerateEngine(ModuleEngine):
@@ -135,15 +120,17 @@ class HFGenerateEngine(ModuleEngine):
     """
 
     @torch.no_grad()
-    def sample_padded(self, model, input_ids, attention_mask, max_new_tokens, eos_token_id,  # noqa: ANN001
-                      pad_token_id, temperature=1.0, top_p=1.0, greedy=False, generator=None, **extras) -> Generation:
-        if extras.get("topk") or extras.get("aux_draws"):
+    def sample_padded(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, params: SamplingParams,
+                      generator: torch.Generator | None = None, aux_generator: torch.Generator | None = None
+                      ) -> Generation:
+        if params.topk or params.aux_draws:
             raise ValueError("HFGenerateEngine does not record extra sampler outputs (topk, aux_draws); use "
                              "KVCacheEngine")
+        temperature, top_p, greedy, eos_token_id = params.temperature, params.top_p, params.greedy, params.eos_token_id
         config = GenerationConfig(
             do_sample=not greedy, temperature=temperature if not greedy else None,
-            top_p=top_p if not greedy else None, top_k=0, max_new_tokens=max_new_tokens,
-            eos_token_id=eos_token_id, pad_token_id=pad_token_id, output_logits=True,
+            top_p=top_p if not greedy else None, top_k=0, max_new_tokens=params.max_tokens,
+            eos_token_id=eos_token_id, pad_token_id=params.pad_token_id, output_logits=True,
             return_dict_in_generate=True,
         )
         devices = [input_ids.device] if input_ids.device.type == "cuda" else []
@@ -158,4 +145,4 @@ class HFGenerateEngine(ModuleEngine):
         before_eos = (is_eos.long().cumsum(dim=1) - is_eos.long()) == 0  # up to and including the first EOS
         truncated = ~is_eos.any(dim=1)
         mask = before_eos.long()
-        return Generation(tokens.masked_fill(~before_eos, pad_token_id), logprobs * mask, mask, truncated)
+        return Generation(tokens.masked_fill(~before_eos, params.pad_token_id), logprobs * mask, mask, truncated)

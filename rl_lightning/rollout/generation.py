@@ -23,6 +23,7 @@ from rl_lightning.functional.logprobs import sampling_logits
 from rl_lightning.models.sharding import is_sharded
 from rl_lightning.rollout.static_decode import StaticDecoder, supports
 
+
 try:  # recent transformers: a cache is a list of layers; a plain DynamicLayer holds [B, kv, S, D] keys/values
     from transformers.cache_utils import DynamicCache, DynamicLayer
 except ImportError:  # pragma: no cover - older transformers
@@ -228,60 +229,112 @@ def prefill(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, positio
     return returned_cache(out), out.logits[:, -1]
 
 
+#: records the sampling distribution's top-k ids and their log-probs per sampled position
+TOPK = "topk"
+#: records independent auxiliary draws from the sampling distribution per sampled position
+AUX_DRAWS = "aux_draws"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """The explicit settings of one ``generate`` call or session.
+
+    Attributes:
+        max_tokens: new tokens per row (per turn in a session).
+        eos_token_id: ends a row (the EOS is one of its tokens); ``pad_token_id`` fills the positions after it.
+        temperature, top_p: tokens are drawn from ``softmax(top_p(logits / temperature))`` and the log-probs
+            returned are that distribution's (``functional.sampling_logprobs``).
+        greedy: take the argmax of the raw logits (held-out rollouts); the log-probs stay the tempered ones.
+        seed: seeds the draws (the same seed gives the same tokens); ``None``: torch's global RNG.
+        topk: also return, per sampled position, the sampling distribution's ``topk`` most likely ids and their
+            log-probs over the full vocabulary (needs ``TOPK``).
+        aux_draws: also return ``aux_draws`` draws per position from the sampling distribution, seeded by
+            ``aux_seed`` alone, so the sampled tokens are the same with or without them (needs ``AUX_DRAWS``).
+    """
+
+    max_tokens: int
+    eos_token_id: int
+    pad_token_id: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    greedy: bool = False
+    seed: int | None = None
+    topk: int = 0
+    aux_draws: int = 0
+    aux_seed: int | None = None
+
+    def needs(self) -> dict[str, str]:
+        """The capabilities these settings need, each with the setting that asks for it."""
+        needs = {TOPK: f"topk={self.topk}"} if self.topk else {}
+        return needs | ({AUX_DRAWS: f"aux_draws={self.aux_draws}"} if self.aux_draws else {})
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    """How ``sample`` runs the decode; the tokens drawn are the same with every setting (``KVCacheEngine``'s).
+
+    Attributes:
+        drop_finished: with a cache that supports ``batch_select_indices`` (Hugging Face's do), rows that have
+            emitted EOS leave the forward batch once the still-running rows are at most ``compact_below`` of it:
+            the cache is cut to the running rows, so long-tailed response lengths stop costing a forward for every
+            finished row. The draw is still made for all rows (finished rows get a dummy distribution), so the
+            random stream, and with it every token, is the same as without dropping.
+        compact_below: a fraction in [0, 1] (1.0: cut at every EOS; lower values copy the cache less often).
+        static_cache: a model that ``static_decode.supports`` (Llama / Qwen2 / Mistral decoders) decodes on
+            ``StaticDecoder``: the same arithmetic on a pre-allocated KV cache without Hugging Face's per-step
+            machinery. Other models, and ``False``, use the model's own forward.
+        share_prefill: rows with identical prompts (ids and mask) are prefilled once (``prefill``); the decode, and
+            every draw, is the same as after a prefill of every row (the logits agree to float rounding).
+    """
+
+    drop_finished: bool = True
+    compact_below: float = DEFAULT_COMPACT_BELOW
+    static_cache: bool = True
+    share_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        check_compact_below(self.compact_below, "DecodeOptions")
+        if not isinstance(self.share_prefill, bool):
+            raise ValueError(f"DecodeOptions: share_prefill must be true or false, got {self.share_prefill!r}")
+
+
 @torch.no_grad()
 def sample(
     model: nn.Module,
     input_ids: Tensor,
     attention_mask: Tensor,
-    max_new_tokens: int,
-    eos_token_id: int,
-    pad_token_id: int,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    greedy: bool = False,
+    params: SamplingParams,
     generator: torch.Generator | None = None,
-    drop_finished: bool = True,
-    compact_below: float = DEFAULT_COMPACT_BELOW,
-    static_cache: bool = True,
-    topk: int = 0,
-    aux_draws: int = 0,
     aux_generator: torch.Generator | None = None,
-    share_prefill: bool = True,
+    options: DecodeOptions = DecodeOptions(),
 ) -> Generation:
-    """Generate up to ``max_new_tokens`` tokens per row of a left-padded prompt batch.
+    """Generate up to ``params.max_tokens`` tokens per row of a left-padded prompt batch.
 
-    Tokens are drawn from ``softmax(top_p(logits / temperature))`` (``greedy`` takes the argmax of the raw
-    logits instead) using ``generator`` for reproducibility; the recorded log-prob is the sampling
-    distribution's (for greedy decoding: the temperature-scaled distribution's).
+    Tokens are drawn from ``softmax(top_p(logits / temperature))`` (``params.greedy`` takes the argmax of the raw
+    logits instead) using ``generator`` for reproducibility (``params.seed`` is an engine's: it makes this
+    generator); the recorded log-prob is the sampling distribution's (for greedy decoding: the
+    temperature-scaled distribution's). ``options`` choose how the decode runs (``DecodeOptions``: dropping
+    finished rows, the static cache, the shared prefill); the tokens are the same with each.
 
-    With ``drop_finished`` (and a cache that supports ``batch_select_indices``, as Hugging Face's do), rows
-    that have emitted EOS leave the forward batch once the still-running rows are at most ``compact_below``
-    of it: the cache is cut to the running rows, so long-tailed response lengths stop costing a forward for
-    every finished row. The draw itself is always made for all rows (finished rows get a dummy
-    distribution), so the random stream, and with it every token, is the same as without dropping.
-
-    With ``static_cache`` and a model that ``static_decode.supports`` (Llama / Qwen2 / Mistral decoders), the
-    decode steps run on ``StaticDecoder``: the same arithmetic on a pre-allocated KV cache without Hugging
-    Face's per-step machinery. Other models, and ``static_cache=False``, use the model's own forward.
-
-    On request it also records, per generated position, the ``topk`` most likely ids with their log-probs and
-    ``aux_draws`` independent draws (``sampler_extras``; 0 on padding positions).
-
-    With ``share_prefill``, rows with identical prompts (ids and mask) are prefilled once (``prefill``); the
-    decode, and every draw, is the same as after a prefill of every row (the logits agree to float rounding).
+    On request it also records, per generated position, the ``params.topk`` most likely ids with their log-probs
+    and ``params.aux_draws`` independent draws from ``aux_generator`` (``sampler_extras``; 0 on padding
+    positions).
     """
-    check_compact_below(compact_below)
+    max_new_tokens, eos_token_id, pad_token_id = params.max_tokens, params.eos_token_id, params.pad_token_id
+    temperature, top_p, greedy = params.temperature, params.top_p, params.greedy
+    topk, aux_draws = params.topk, params.aux_draws
+    drop_finished, compact_below = options.drop_finished, options.compact_below
     batch = input_ids.shape[0]
     device = input_ids.device
     attention_mask = attention_mask.long()
     positions = position_ids_from_mask(attention_mask)
-    cache, logits = prefill(model, input_ids, attention_mask, positions, share_prefill)
+    cache, logits = prefill(model, input_ids, attention_mask, positions, options.share_prefill)
     cache_kw = cache_argument(model)
     if not bool(torch.isfinite(logits).all()):
         raise FloatingPointError("sample: the model's next-token logits for the prompts are not finite (NaN/inf): "
                                  "its weights or activations have diverged")
     decoder = None
-    if static_cache and cache is not None and supports(model):
+    if options.static_cache and cache is not None and supports(model):
         decoder = StaticDecoder.from_prefill(model, cache, attention_mask, max_new_tokens)
         cache = None  # the prompt's keys/values now live in the decoder's cache
     can_drop = drop_finished and (decoder is not None or callable(getattr(cache, "batch_select_indices", None)))

@@ -40,7 +40,8 @@ import rl_lightning.algorithms.forward as forward
 from rl_lightning.algorithms import GRPO, PPO
 from rl_lightning.algorithms.planning import prompt_blocks
 from rl_lightning.envs import Prompt, Task
-from rl_lightning.rollout import GroupRollout, KVCacheEngine, RolloutBatch, RolloutDataModule, sample
+from rl_lightning.rollout import GroupRollout, KVCacheEngine, RolloutBatch, RolloutDataModule, SamplingParams, sample
+from rl_lightning.rollout.generation import DecodeOptions
 from rl_lightning.rollout.generation import can_share_prompts, distinct_rows
 from tests.algorithms.test_skipping import _advantages, _Capture, _metric_tolerances, _off_policy, _plan
 from tests.conftest import tiny_datamodule, tiny_trainer
@@ -432,9 +433,9 @@ def test_the_shared_prefill_draws_the_same_tokens(arch, static_cache, seed):
     tok, model = module.tokenizer, module.policy.eval()
     gens = {}
     for share in (False, True):
-        gens[share] = sample(model, ids, mask, 6, tok.eos_token_id, tok.pad_token_id, temperature=1.0,
-                             generator=torch.Generator().manual_seed(seed), static_cache=static_cache,
-                             share_prefill=share, topk=2)
+        gens[share] = sample(model, ids, mask, SamplingParams(6, tok.eos_token_id, tok.pad_token_id, topk=2),
+                             torch.Generator().manual_seed(seed),
+                             options=DecodeOptions(static_cache=static_cache, share_prefill=share))
     plain, shared = gens[False], gens[True]
     assert torch.equal(shared.response_ids, plain.response_ids) and torch.equal(shared.mask, plain.mask)
     assert torch.equal(shared.truncated, plain.truncated) and torch.equal(shared.topk_ids, plain.topk_ids)
@@ -458,6 +459,6 @@ def test_the_engine_prefills_each_prompt_once(monkeypatch):
     monkeypatch.setattr(type(model), "forward", recording)
     for share in (True, False):
         rows.clear()
-        KVCacheEngine(share_prefill=share, static_cache=True).generate(
-            model, ids, mask, 4, tok.eos_token_id, tok.pad_token_id, generator=torch.Generator().manual_seed(0))
+        KVCacheEngine(share_prefill=share, static_cache=True).sample_padded(
+            model, ids, mask, SamplingParams(4, tok.eos_token_id, tok.pad_token_id), torch.Generator().manual_seed(0))
         assert rows[0] == ((2, ids.shape[1]) if share else (8, ids.shape[1]))  # the prefill: one row per prompt

@@ -158,7 +158,7 @@ def test_the_warm_start_is_right_about_a_third_of_the_time_greedy(task):
     import torch
 
     from rl_lightning.models.policy import load_policy
-    from rl_lightning.rollout.generation import sample
+    from rl_lightning.rollout import SamplingParams, sample
 
     torch.set_num_threads(1)
     prompts = task.heldout_prompts()[:100]
@@ -168,8 +168,7 @@ def test_the_warm_start_is_right_about_a_third_of_the_time_greedy(task):
     width = max(len(r) for r in rows)
     input_ids = torch.tensor([[tok.pad_token_id] * (width - len(r)) + r for r in rows])
     attention_mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-    out = sample(model, input_ids, attention_mask, max_new_tokens=72, eos_token_id=tok.eos_token_id,
-                 pad_token_id=tok.pad_token_id, greedy=True)
+    out = sample(model, input_ids, attention_mask, SamplingParams(72, tok.eos_token_id, tok.pad_token_id, greedy=True))
     reward, correct = task.default_reward(), 0
     for prompt, ids, mask in zip(prompts, out.response_ids.tolist(), out.mask.tolist()):
         ended = tok.eos_token_id in ids

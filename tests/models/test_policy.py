@@ -109,7 +109,7 @@ def test_embedded_arithmetic_asset_is_small_and_loads(name):
 
 def test_embedded_arithmetic_is_sometimes_right():
     from rl_lightning.envs import ArithmeticTask
-    from rl_lightning.rollout import sample
+    from rl_lightning.rollout import SamplingParams, sample
 
     model, tok = load_policy("embedded:arithmetic")
     prompts = ArithmeticTask().heldout_prompts()[:64]
@@ -117,7 +117,7 @@ def test_embedded_arithmetic_is_sometimes_right():
     width = max(map(len, rows))
     ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
     mask = (torch.arange(width) >= torch.tensor([width - len(r) for r in rows])[:, None]).long()
-    gen = sample(model.eval(), ids, mask, 6, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, greedy=True)
+    gen = sample(model.eval(), ids, mask, SamplingParams(6, tok.eos_token_id, tok.pad_token_id, greedy=True))
     answers = tok.batch_decode([r[m.bool()].tolist() for r, m in zip(gen.response_ids, gen.mask)],
                                skip_special_tokens=True)
     correct = sum(a == p.answer for a, p in zip(answers, prompts))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rl_lightning.models import load_policy
-from rl_lightning.rollout import HFGenerateEngine, KVCacheEngine
+from rl_lightning.rollout import HFGenerateEngine, KVCacheEngine, SamplingParams
 from tests.tolerances import decoder_logprob_bound
 
 
@@ -28,17 +28,17 @@ def _prompts(tok, texts):
 def test_engines_draw_the_same_tokens_and_logprobs(policy, greedy, temperature, static_cache):
     model, tok = policy
     ids, mask = _prompts(tok, ["37+48=", "5+5=", "99+1=", "12+34="] * 4)
-    kwargs = dict(max_new_tokens=6, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    params = SamplingParams(max_tokens=6, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                   temperature=temperature, greedy=greedy)
     torch.manual_seed(123)
-    ours = KVCacheEngine(static_cache=static_cache).generate(model, ids, mask, **kwargs)
+    ours = KVCacheEngine(static_cache=static_cache).sample_padded(model, ids, mask, params)
     torch.manual_seed(123)
-    ref = HFGenerateEngine().generate(model, ids, mask, **kwargs)
+    ref = HFGenerateEngine().sample_padded(model, ids, mask, params)
     assert torch.equal(ours.mask, ref.mask)
     assert torch.equal(ours.response_ids, ref.response_ids)
     assert torch.equal(ours.truncated, ref.truncated)
     # the same model and tokens in other forward shapes: the float32 log-prob bound of this decoder
-    bound = decoder_logprob_bound(model, kwargs.get("temperature", 1.0), ids.shape[1] + kwargs["max_new_tokens"])
+    bound = decoder_logprob_bound(model, params.temperature, ids.shape[1] + params.max_tokens)
     assert (ours.logprobs - ref.logprobs).abs().max() <= bound
     if not greedy:  # sampling really happened: rows with one prompt differ among themselves
         assert len({tuple(r) for r in ours.response_ids[0::4].tolist()}) > 1
@@ -47,10 +47,10 @@ def test_engines_draw_the_same_tokens_and_logprobs(policy, greedy, temperature, 
 def test_hf_engine_with_a_generator_is_reproducible_and_leaves_the_global_rng_alone(policy):
     model, tok = policy
     ids, mask = _prompts(tok, ["37+48="] * 8)
-    kwargs = dict(max_new_tokens=5, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    params = SamplingParams(max_tokens=5, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     state = torch.get_rng_state()
-    a = HFGenerateEngine().generate(model, ids, mask, generator=torch.Generator().manual_seed(7), **kwargs)
-    b = HFGenerateEngine().generate(model, ids, mask, generator=torch.Generator().manual_seed(7), **kwargs)
+    a = HFGenerateEngine().sample_padded(model, ids, mask, params, torch.Generator().manual_seed(7))
+    b = HFGenerateEngine().sample_padded(model, ids, mask, params, torch.Generator().manual_seed(7))
     assert torch.equal(torch.get_rng_state(), state)
     assert torch.equal(a.response_ids, b.response_ids)
 
@@ -71,16 +71,16 @@ def test_dropping_finished_rows_changes_no_token(name, temperature, compact_belo
     model, tok = load_policy(name)
     model.eval()
     ids, mask = _prompts(tok, ["37+48=", "5+5=", "99+1=", "12+34=", "1+2=", "60+7="] * 4)  # 24 rows, padded
-    kwargs = dict(max_new_tokens=24, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    params = SamplingParams(max_tokens=24, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                   temperature=temperature)
     sizes, handle = _forward_batch_sizes(model)
     try:
-        lean = KVCacheEngine(compact_below=compact_below, static_cache=static_cache).generate(
-            model, ids, mask, generator=torch.Generator().manual_seed(5), **kwargs)
+        lean = KVCacheEngine(compact_below=compact_below, static_cache=static_cache).sample_padded(
+            model, ids, mask, params, torch.Generator().manual_seed(5))
     finally:
         handle.remove()
-    full = KVCacheEngine(drop_finished=False, static_cache=False).generate(
-        model, ids, mask, generator=torch.Generator().manual_seed(5), **kwargs)
+    full = KVCacheEngine(drop_finished=False, static_cache=False).sample_padded(
+        model, ids, mask, params, torch.Generator().manual_seed(5))
     lengths = full.mask.sum(1)
     assert lengths.min() < lengths.max()  # rows really finish at different steps
     assert sizes[0] == 6  # the prompt forward: each distinct prompt once (share_prefill)
@@ -90,7 +90,7 @@ def test_dropping_finished_rows_changes_no_token(name, temperature, compact_belo
     assert torch.equal(lean.mask, full.mask)
     assert torch.equal(lean.truncated, full.truncated)
     # the same model and tokens in other forward shapes: the float32 log-prob bound of this decoder
-    bound = decoder_logprob_bound(model, kwargs.get("temperature", 1.0), ids.shape[1] + kwargs["max_new_tokens"])
+    bound = decoder_logprob_bound(model, params.temperature, ids.shape[1] + params.max_tokens)
     assert (lean.logprobs - full.logprobs).abs().max() <= bound
 
 
@@ -101,9 +101,8 @@ def test_forward_batch_shrinks_to_the_running_rows(policy, static_cache):
     ids, mask = _prompts(tok, ["37+48=", "5+5=", "99+1=", "12+34="] * 3)
     sizes, handle = _forward_batch_sizes(model)
     try:
-        gen = KVCacheEngine(compact_below=1.0, static_cache=static_cache).generate(
-            model, ids, mask, max_new_tokens=8, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-            generator=torch.Generator().manual_seed(3))
+        gen = KVCacheEngine(compact_below=1.0, static_cache=static_cache).sample_padded(
+            model, ids, mask, SamplingParams(8, tok.eos_token_id, tok.pad_token_id), torch.Generator().manual_seed(3))
     finally:
         handle.remove()
     ended = (gen.response_ids == tok.eos_token_id).long().cumsum(1) > 0  # [N, T]: EOS at or before step t
@@ -118,8 +117,8 @@ def test_compact_below_zero_never_cuts_and_bad_values_are_refused(policy):
     ids, mask = _prompts(tok, ["37+48=", "5+5="] * 4)
     sizes, handle = _forward_batch_sizes(model)
     try:
-        KVCacheEngine(compact_below=0.0).generate(model, ids, mask, max_new_tokens=8, eos_token_id=tok.eos_token_id,
-                                                  pad_token_id=tok.pad_token_id)
+        KVCacheEngine(compact_below=0.0).sample_padded(model, ids, mask,
+                                                       SamplingParams(8, tok.eos_token_id, tok.pad_token_id))
     finally:
         handle.remove()
     assert sizes[0] == 2 and set(sizes[1:]) == {ids.shape[0]}  # the prompt forward: each distinct prompt once
@@ -138,14 +137,14 @@ def test_engines_agree_on_a_vocabulary_larger_than_generates_default_top_k(top_p
     ids = torch.randint(3, 300, (16, 5))
     mask = torch.ones_like(ids)
     mask[::3, :2] = 0  # some left padding
-    kwargs = dict(max_new_tokens=8, eos_token_id=2, pad_token_id=0, top_p=top_p)
+    params = SamplingParams(max_tokens=8, eos_token_id=2, pad_token_id=0, top_p=top_p)
     torch.manual_seed(9)
-    ours = KVCacheEngine().generate(model, ids.masked_fill(mask == 0, 0), mask, **kwargs)
+    ours = KVCacheEngine().sample_padded(model, ids.masked_fill(mask == 0, 0), mask, params)
     torch.manual_seed(9)
-    ref = HFGenerateEngine().generate(model, ids.masked_fill(mask == 0, 0), mask, **kwargs)
+    ref = HFGenerateEngine().sample_padded(model, ids.masked_fill(mask == 0, 0), mask, params)
     assert torch.equal(ours.response_ids, ref.response_ids)
     # the same model and tokens in other forward shapes: the float32 log-prob bound of this decoder
-    bound = decoder_logprob_bound(model, kwargs.get("temperature", 1.0), ids.shape[1] + kwargs["max_new_tokens"])
+    bound = decoder_logprob_bound(model, params.temperature, ids.shape[1] + params.max_tokens)
     assert (ours.logprobs - ref.logprobs).abs().max() <= bound
     # a near-uniform random model over 300 tokens: plenty of the drawn tokens are outside any top 50
     ranks = (model(input_ids=ids).logits[:, -1].argsort(-1, descending=True) == ours.response_ids[:, :1]).float()

@@ -8,7 +8,7 @@ from rollout_helpers import ScriptedLM, batch_like_datamodule, encode, model_log
 
 from rl_lightning.algorithms import GRPO
 from rl_lightning.functional import sampling_log_softmax
-from rl_lightning.rollout import position_ids_from_mask, sample
+from rl_lightning.rollout import SamplingParams, position_ids_from_mask, sample
 
 # 4 prompts of different lengths, 2 rows each (groups are contiguous), so prompts are left-padded
 TEXTS = ["1+2=", "37+48=", "123+456=", "9*9="]
@@ -32,9 +32,9 @@ def _generate(module: GRPO, max_new_tokens=6, temperature=1.0, top_p=1.0, greedy
     policy = module.policy
     was_training = policy.training
     policy.eval()
-    gen = sample(policy, ids, mask, max_new_tokens, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                 temperature=temperature, top_p=top_p, greedy=greedy,
-                 generator=torch.Generator().manual_seed(seed))
+    params = SamplingParams(max_tokens=max_new_tokens, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                            temperature=temperature, top_p=top_p, greedy=greedy)
+    gen = sample(policy, ids, mask, params, torch.Generator().manual_seed(seed))
     policy.train(was_training)
     return ids, mask, gen
 
@@ -131,7 +131,8 @@ def test_rows_stop_at_eos_scripted():
     model = ScriptedLM(script, vocab_size=20)
     ids = torch.tensor([[0, 1, 5], [1, 5, 6], [0, 0, 1], [1, 7, 7], [0, 1, 9]])
     mask = (ids != 0).long()
-    gen = sample(model, ids, mask, 5, eos_token_id=eos, pad_token_id=pad, generator=torch.Generator().manual_seed(0))
+    gen = sample(model, ids, mask, SamplingParams(max_tokens=5, eos_token_id=eos, pad_token_id=pad),
+                 torch.Generator().manual_seed(0))
     assert gen.response_ids.tolist() == [
         [eos, pad, pad, pad, pad],
         [a, eos, pad, pad, pad],
@@ -156,7 +157,7 @@ def test_loop_ends_when_every_row_has_stopped():
     eos, a = 2, 10
     model = ScriptedLM([[a, eos, a, a], [eos, a, a, a]], vocab_size=20)
     ids = torch.tensor([[1, 5], [1, 6]])
-    gen = sample(model, ids, torch.ones_like(ids), 50, eos_token_id=eos, pad_token_id=0)
+    gen = sample(model, ids, torch.ones_like(ids), SamplingParams(max_tokens=50, eos_token_id=eos, pad_token_id=0))
     assert gen.response_ids.shape == (2, 2)
     assert gen.response_ids.tolist() == [[a, eos], [eos, 0]]
     assert not gen.truncated.any()
@@ -219,8 +220,8 @@ def test_diverged_weights_stop_the_rollout_with_the_step_named(tmp_path):
     with torch.no_grad():
         module.policy.get_output_embeddings().weight.fill_(float("nan"))
     with pytest.raises(FloatingPointError, match="logits for the prompts are not finite"):
-        sample(module.policy.eval(), ids, mask, 4, eos_token_id=module.tokenizer.eos_token_id,
-               pad_token_id=module.tokenizer.pad_token_id)
+        tok = module.tokenizer
+        sample(module.policy.eval(), ids, mask, SamplingParams(4, tok.eos_token_id, tok.pad_token_id))
 
     module = Diverged(model_name_or_path="embedded:arithmetic")
     with pytest.raises(FloatingPointError, match="rollout at step 1: sample: the model's next-token logits"):

@@ -15,8 +15,8 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from rl_lightning.rollout import sample
-from rl_lightning.rollout.generation import cache_argument, returned_cache
+from rl_lightning.rollout import SamplingParams, sample
+from rl_lightning.rollout.generation import DecodeOptions, cache_argument, returned_cache
 from rl_lightning.rollout.static_decode import StaticDecoder, supports, unsupported_reason
 from tests.tolerances import decoder_logprob_bound
 
@@ -117,9 +117,9 @@ def test_unsupported_models_say_why_and_keep_the_general_loop():
     windowed = MistralForCausalLM(MistralConfig(**SMALL, sliding_window=8)).eval()
     assert "sliding-window" in unsupported_reason(windowed)
     ids, mask = _prompt_batch(40, [4, 2, 3])
-    kwargs = dict(max_new_tokens=5, eos_token_id=1, pad_token_id=0)
-    a = sample(gpt2, ids, mask, generator=torch.Generator().manual_seed(0), static_cache=True, **kwargs)
-    b = sample(gpt2, ids, mask, generator=torch.Generator().manual_seed(0), static_cache=False, **kwargs)
+    params = SamplingParams(max_tokens=5, eos_token_id=1, pad_token_id=0)
+    a = sample(gpt2, ids, mask, params, torch.Generator().manual_seed(0), options=DecodeOptions(static_cache=True))
+    b = sample(gpt2, ids, mask, params, torch.Generator().manual_seed(0), options=DecodeOptions(static_cache=False))
     assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.logprobs, b.logprobs)
 
 
@@ -127,10 +127,10 @@ def test_unsupported_models_say_why_and_keep_the_general_loop():
 def test_sampling_with_the_static_cache_equals_the_general_loop(name):
     model = MODELS[name].eval()
     ids, mask = _prompt_batch(model.config.vocab_size, [5, 2, 4, 1, 3, 3])
-    kwargs = dict(max_new_tokens=12, eos_token_id=1, pad_token_id=0, temperature=0.9)
-    a = sample(model, ids, mask, generator=torch.Generator().manual_seed(4), static_cache=True, **kwargs)
-    b = sample(model, ids, mask, generator=torch.Generator().manual_seed(4), static_cache=False, **kwargs)
+    params = SamplingParams(max_tokens=12, eos_token_id=1, pad_token_id=0, temperature=0.9)
+    a = sample(model, ids, mask, params, torch.Generator().manual_seed(4), options=DecodeOptions(static_cache=True))
+    b = sample(model, ids, mask, params, torch.Generator().manual_seed(4), options=DecodeOptions(static_cache=False))
     assert torch.equal(a.response_ids, b.response_ids)
     assert torch.equal(a.mask, b.mask)
-    bound = decoder_logprob_bound(model, kwargs["temperature"], ids.shape[1] + kwargs["max_new_tokens"])
+    bound = decoder_logprob_bound(model, params.temperature, ids.shape[1] + params.max_tokens)
     assert (a.logprobs - b.logprobs).abs().max() <= bound  # the same tokens, other kernels: fp32 rounding
