@@ -60,7 +60,9 @@ class HeldoutEvaluation(Callback):
 
     def __init__(self) -> None:
         self.last_step = -1  # the step of the last val/reward logged (-1: none yet)
-        self.evaluating = False  # in an evaluation outside Lightning's loop (one that raised: until the next setup)
+        #: the step of a held-out evaluation outside Lightning's loop that raised (``None``: none did); the failure
+        #: callbacks read it to dump that evaluation's rollout, not the training step's
+        self.failed_step: int | None = None
         self.history: list[tuple[int, float]] = []
         self.items: dict[int, list[float]] = {}  # step -> each held-out item's reward (NaN: not evaluated)
         self._reward = MeanMetric()
@@ -70,7 +72,7 @@ class HeldoutEvaluation(Callback):
     # ------------------------------------------------------------------ Lightning's validation loop
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._reward = self._reward.to(pl_module.device)
-        self.evaluating = False
+        self.failed_step = None
 
     def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:
@@ -125,12 +127,14 @@ class HeldoutEvaluation(Callback):
             if not first:
                 first.append(batch)
 
-        self.evaluating = True  # left set when the evaluation raises: the failure callbacks read it afterwards
-        if isinstance(datamodule, RolloutDataModule):  # the data module's own evaluation, seeing its batches
-            total, count = datamodule.evaluate(on_batch=keep_first)
-        else:  # another data module: its sums only
-            total, count = datamodule.evaluate()
-        self.evaluating = False
+        try:
+            if isinstance(datamodule, RolloutDataModule):  # the data module's own evaluation, seeing its batches
+                total, count = datamodule.evaluate(on_batch=keep_first)
+            else:  # another data module: its sums only
+                total, count = datamodule.evaluate()
+        except BaseException:
+            self.failed_step = step
+            raise
         sums = trainer.strategy.reduce(torch.tensor([total, float(count)], device=pl_module.device), reduce_op="sum")
         items = self._gather_items(trainer, pl_module)
         if float(sums[1]) == 0:

@@ -334,7 +334,7 @@ class FailureDump(Callback):
         stopped = (KeyboardInterrupt, SystemExit, RunInterrupted, RunStopped)
         if isinstance(exception, stopped) or trainer.state.fn != "fit":
             return
-        evaluating = trainer.validating or any(isinstance(cb, HeldoutEvaluation) and cb.evaluating
+        evaluating = trainer.validating or any(isinstance(cb, HeldoutEvaluation) and cb.failed_step is not None
                                                for cb in trainer.callbacks)
         batch = None if evaluating else self._batch
         where = "evaluation" if evaluating else "update"
