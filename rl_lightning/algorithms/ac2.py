@@ -51,7 +51,8 @@ class AC2(GRPO):
     """Chunk continuations with a value-token critic and a readiness check (see the module docstring).
 
     Args:
-        critic: the ``GenerativeCritic`` (``None``: ``GenerativeCritic()``, 11 bins on [0, 1]).
+        critic: the ``GenerativeCritic`` (``None``: ``GenerativeCritic()``, 11 bins on [0, 1]); its ``weights``
+            (``shared``, ``own``, ``adapter``) say what it reads and trains, as in TEMPO.
         chunk_tokens: sampled tokens per chunk (the branches' token budget).
         replay: unfinished prefixes continued per step besides the step's prompts.
         store_capacity: prefixes kept (the oldest go).
@@ -71,11 +72,16 @@ class AC2(GRPO):
                               ("replay", replay, replay >= 0, "must be >= 0"),
                               ("critic_coef", critic_coef, critic_coef >= 0, "must be >= 0")])
         self.critic = GenerativeCritic() if critic is None else critic
+        self.critic_model = self.critic.attach(self.policy)  # weights="own": the critic's copy (a submodule)
         self.chunk_tokens, self.replay, self.critic_coef = chunk_tokens, replay, critic_coef
         self.readiness = CriticReadiness(readiness_threshold, readiness_window)
         self.store = BranchStore(store_capacity)
         self.max_new_tokens: int | None = None
         self._audit: list[AuditItem] = []
+
+    @override
+    def component_groups(self) -> list[dict[str, Any]]:
+        return self.critic.parameter_groups()  # the critic's own weights or adapters, if any
 
     @override
     def check_datamodule(self, datamodule: Any) -> None:

@@ -192,12 +192,18 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
         return rollout_metrics(batch)
 
     def parameter_groups(self) -> list[dict[str, Any]]:
-        """Optimiser parameter groups: the policy (settings from ``optimizer``); methods add e.g. a critic group."""
-        return [{"params": policy_parameters(self.policy)}]
+        """Optimiser parameter groups: the policy (settings from ``optimizer``), then ``component_groups``."""
+        return [{"params": policy_parameters(self.policy)}, *self.component_groups()]
 
     def trainable_parameters(self) -> list[nn.Parameter]:
-        """Parameters the optimiser steps (and whose gradient norm is clipped); methods with a critic add it."""
-        return policy_parameters(self.policy)
+        """Parameters the optimiser steps (and whose gradient norm is clipped): the policy's, then those of
+        ``component_groups``."""
+        return [*policy_parameters(self.policy), *(p for group in self.component_groups() for p in group["params"])]
+
+    def component_groups(self) -> list[dict[str, Any]]:
+        """Optimiser groups of what the method trains besides the policy and that the policy's step also steps (a
+        generative critic's own weights or adapters: ``GenerativeCritic.parameter_groups``). Default: none."""
+        return []
 
     # ================================================================== the step
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> None:

@@ -29,7 +29,7 @@ from dataclasses import replace
 from typing import Any, Literal
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from typing_extensions import override
 
 from rl_lightning.algorithms.advantages import Advantages
@@ -87,12 +87,8 @@ class TEMPO(GRPO):
         self.episode_tokens: int | None = None  # the strategy's episode budget, read at setup
 
     @override
-    def parameter_groups(self) -> list[dict[str, Any]]:
-        return [*super().parameter_groups(), *self.critic.parameter_groups()]  # + the critic's own weights, if any
-
-    @override
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        return [*super().trainable_parameters(), *(p for g in self.critic.parameter_groups() for p in g["params"])]
+    def component_groups(self) -> list[dict[str, Any]]:
+        return self.critic.parameter_groups()  # the critic's own weights or adapters, if any
 
     # ------------------------------------------------------------------ branches
     @override

@@ -12,7 +12,7 @@ import torch
 
 from rl_lightning.algorithms import AC2
 from rl_lightning.algorithms.ac2 import COMPLETED, CRITIC_VALUED, TARGET, VALUE
-from rl_lightning.algorithms.generative_critic import BIN, end_history
+from rl_lightning.algorithms.generative_critic import BIN, GenerativeCritic, end_history
 from rl_lightning.algorithms.readiness import AuditItem, CriticReadiness
 from rl_lightning.callbacks import FullRolloutAudit
 from rl_lightning.envs import ArithmeticTask
@@ -120,3 +120,23 @@ def test_full_rollout_audit_completes_a_fraction_and_feeds_the_readiness():
         FullRolloutAudit().on_train_batch_end(trainer, SimpleNamespace(), None, None, 0)
     with pytest.raises(ValueError, match="fraction must be in"):
         FullRolloutAudit(fraction=0.0)
+
+
+@pytest.mark.parametrize("weights", ["own", "adapter"])
+def test_ac2_critic_on_weights_or_adapters_of_its_own_gets_a_group_and_its_rows(weights):
+    """AC2 takes the generative critic's ``weights`` as TEMPO does: the critic's own copy or adapters are attached,
+    optimised in a group named ``critic`` (``component_groups``) beside the policy's, and score its rows."""
+    from rl_lightning.models.adapters import LoraSettings
+
+    torch.manual_seed(0)
+    lora = LoraSettings(rank=4, alpha=8.0) if weights == "adapter" else None
+    module = AC2(model_name_or_path="embedded:guess", critic=GenerativeCritic(weights=weights), lora=lora)
+    groups = module.parameter_groups()
+    assert [g.get("name") for g in groups] == [None, "critic"]
+    critic = {id(p) for p in groups[1]["params"]}
+    assert critic and not critic & {id(p) for p in groups[0]["params"]}
+    trainable = [id(p) for p in module.trainable_parameters()]
+    assert len(trainable) == len(set(trainable)) and critic <= set(trainable)
+    contexts = [module.critic.context(module, module.tokenizer("guess 1-31:5")["input_ids"])]
+    rows = module.critic.ce_rows(module, contexts, torch.tensor([1.0]))
+    assert rows.model is module.critic.model and rows.model is not None
