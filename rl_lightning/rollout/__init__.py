@@ -8,7 +8,7 @@ from rl_lightning.rollout.engine import EngineSession, RolloutEngine, SamplingPa
 from rl_lightning.rollout.engines import HFGenerateEngine, KVCacheEngine, ModuleEngine
 from rl_lightning.rollout.episodes import EpisodeGeneration, sample_episodes
 from rl_lightning.rollout.filters import GroupFilter, RewardSpread
-from rl_lightning.rollout.generation import Generation, position_ids_from_mask, sample
+from rl_lightning.rollout.generation import DecodeOptions, Generation, position_ids_from_mask, sample
 from rl_lightning.rollout.inputs import RolloutInputs
 from rl_lightning.rollout.prompts import PromptSampler, SequentialSampler, WeightedSampler
 from rl_lightning.rollout.shaping import OverlongPenalty, RewardShaper
@@ -20,6 +20,7 @@ __all__ = [
     "Branch",
     "BranchRollout",
     "BranchStore",
+    "DecodeOptions",
     "EndState",
     "EngineSession",
     "EpisodeGeneration",
