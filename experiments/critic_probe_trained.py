@@ -129,6 +129,11 @@ def run(args: argparse.Namespace) -> None:
     setup = setup_record(Path(args.model).expanduser())
     setup.update(probe=str(args.probe), problems=args.problems, dropped_problems=dropped, rank=args.rank,
                  batch=args.batch, lr=args.lr, epochs=args.epochs, states={k: len(v) for k, v in splits.items()})
+    previous = json.loads((out / "setup.json").read_text()) if (out / "setup.json").is_file() else None
+    if previous is not None:  # a later invocation (more seeds) keeps the first setup and notes its own
+        previous.setdefault("resumed", []).append({k: setup[k] for k in ("commit", "threads", "cpu", "kernel", "lr",
+                                                                           "epochs", "dropped_problems")})
+        setup = previous
     (out / "setup.json").write_text(json.dumps(setup, indent=2) + "\n")
     print(f"[probe_trained] states {setup['states']}, problems left out (response not reproduced): {dropped}",
           flush=True)
