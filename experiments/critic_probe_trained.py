@@ -118,6 +118,7 @@ def run(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    setup = setup_record(Path(args.model).expanduser())  # the tree as the run starts
     model, tokenizer = load_policy(str(Path(args.model).expanduser()), "float32")
     model.eval()  # no dropout: the adapters' own dropout is 0 too
     states, dropped = states_of(args, model, tokenizer)
@@ -126,7 +127,6 @@ def run(args: argparse.Namespace) -> None:
     split_of = {p: "train" if i < n // 2 else "validation" if i < 3 * n // 4 else "test"
                 for i, p in enumerate(problems)}
     splits = {name: [s for s in states if split_of[s["problem"]] == name] for name in ("train", "validation", "test")}
-    setup = setup_record(Path(args.model).expanduser())
     setup.update(probe=str(args.probe), problems=args.problems, dropped_problems=dropped, rank=args.rank,
                  batch=args.batch, lr=args.lr, epochs=args.epochs, states={k: len(v) for k, v in splits.items()})
     previous = json.loads((out / "setup.json").read_text()) if (out / "setup.json").is_file() else None
