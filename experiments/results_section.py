@@ -24,7 +24,8 @@ STUDIES = (
     ("lag_mechanisms", "Off-policy and single-stream mechanisms on 2-digit addition: one ablation each"),
     ("methods_2026", "The methods papers compare against in 2026 (Dr. GRPO, DAPO, GSPO, CISPO, REINFORCE++), "
                      "2-digit addition"),
-    ("reach", "Reach the target (multi-turn, distinct starting states): GRPO and TEMPO"),
+    ("reach", "Reach the target (multi-turn, distinct starting states): GRPO against TEMPO, LVRL, CoPE, AC2 and SAO, "
+              "each with its ablation"),
     ("running_sum", "Running sums written out (long responses): GRPO, and EasyPPO and BPCO with their ablations "
                     "(in progress)"),
     ("smollm2_lora", "SmolLM2-135M-Instruct with LoRA adapters: GRPO on word problems, 200 test problems"),
