@@ -81,8 +81,7 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
     zero_advantage_rows_are_inert: bool = False
     #: a forward shares its prompts only when that saves at least this many positions (the 2-core break-even)
     share_prompt_min_tokens: int = 64
-    #: ``[N]`` bool set by ``update``: the rows of the last rollout batch that were forwarded
-    forwarded_rows: Tensor | None = None
+    forwarded_rows: Tensor | None = None  #: ``[N]`` bool set by ``update``: the last batch's forwarded rows
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -138,8 +137,7 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
 
     def policy_objective(self, batch: RolloutBatch, out: PolicyOutput, ratio: Tensor,
                          adv: Advantages) -> tuple[Tensor, Metrics]:
-        """``[n, T]`` the per-token objective to maximise from the ratio ``ρ`` (torchrl's
-        ``_compute_policy_objective``)."""
+        """``[n, T]`` the per-token objective to maximise from ``ρ`` (torchrl's ``_compute_policy_objective``)."""
         raise NotImplementedError(f"{type(self).__name__} must implement policy_objective or policy_loss")
 
     def ratio_reference(self, batch: RolloutBatch, out: PolicyOutput) -> Tensor:
@@ -152,8 +150,7 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
         return []
 
     def auxiliary_rows(self, batch: RolloutBatch, adv: Advantages) -> list[AuxiliaryRows] | None:
-        """Rows besides the rollout's, each set with its own loss, forwarded in the same optimiser steps and added to
-        the same loss and metrics (``auxiliary.py``: a critic's value-token rows). Default ``None``: none."""
+        """Rows besides the rollout's, each set with its own loss, in the same optimiser steps (``auxiliary.py``)."""
         return None
 
     def before_update(self, batch: RolloutBatch, adv: Advantages, weights: Tensor) -> dict[str, list[Tensor]]:
@@ -172,8 +169,7 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
         return zero_advantage_rows(batch, adv.advantages)
 
     def inert_row_metrics(self, batch: RolloutBatch, rows: Tensor, weights: Tensor) -> dict[str, Tensor]:
-        """Summed metrics of an optimiser step's ``rows`` (``[N]`` bool) that were not forwarded (FlashREINFORCE: they
-        count as kept), added to the step's sums. Default: none."""
+        """Summed metrics of a step's not-forwarded ``rows`` (``[N]`` bool; FlashREINFORCE counts them kept)."""
         return {}
 
     def extra_logprob_ids(self, batch: RolloutBatch) -> Tensor | None:
@@ -192,17 +188,15 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
         return rollout_metrics(batch)
 
     def parameter_groups(self) -> list[dict[str, Any]]:
-        """Optimiser parameter groups: the policy (settings from ``optimizer``), then ``component_groups``."""
+        """Optimiser groups: the policy's (settings from ``optimizer``), then ``component_groups``."""
         return [{"params": policy_parameters(self.policy)}, *self.component_groups()]
 
     def trainable_parameters(self) -> list[nn.Parameter]:
-        """Parameters the optimiser steps (and whose gradient norm is clipped): the policy's, then those of
-        ``component_groups``."""
-        return [*policy_parameters(self.policy), *(p for group in self.component_groups() for p in group["params"])]
+        """What the optimiser steps and the gradient clip sees: the parameters of ``parameter_groups``."""
+        return [p for group in self.parameter_groups() for p in group["params"]]
 
     def component_groups(self) -> list[dict[str, Any]]:
-        """Optimiser groups of what the method trains besides the policy and that the policy's step also steps (a
-        generative critic's own weights or adapters: ``GenerativeCritic.parameter_groups``). Default: none."""
+        """Groups the policy's step also steps (a generative critic's own weights or adapters). Default: none."""
         return []
 
     # ================================================================== the step
