@@ -17,12 +17,12 @@ import torch
 from lightning.pytorch import Callback, LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
 from rl_lightning.algorithms.advantages import Advantages, checked_advantages
 from rl_lightning.algorithms.auxiliary import AuxiliaryRows, run_auxiliary
 from rl_lightning.algorithms.checks import (
-    build_optimizer, check_finite, check_hook_output, check_module_settings, warn_misspelt_hooks,
+    GradClip, build_optimizer, check_finite, check_hook_output, check_module_settings, clip_gradients,
+    warn_misspelt_hooks,
 )
 from rl_lightning.algorithms.distributed import Ranks, shard_module
 from rl_lightning.algorithms.evaluation import HeldoutEvaluation
@@ -53,7 +53,8 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
         micro_batch_size: rows per forward/backward (gradient accumulation); ``None`` = the whole minibatch.
         loss_aggregation: how per-token losses are combined (see ``functional.aggregation_weights``);
             ``seq_mean_token_sum_norm`` divides by the constant ``loss_norm_length`` (Dr. GRPO: the token budget).
-        max_grad_norm: gradient-norm clip (``None`` disables clipping; the norm is still logged).
+        max_grad_norm: gradient-norm clip (``None``: none; the norm is still logged), over every trainable parameter
+            (grad_clip ``joint``) or per optimiser group (``per_group``: actor, critic; ``checks.clip_gradients``).
         logprob_chunk_size: token positions per log-softmax chunk. seed: seeds minibatch shuffling.
         skip_inert_rows: do not forward rows whose loss is exactly zero with zero gradient (``inert_rows``); the
             update is the same up to the rounding of a sum in another order (``train/skipped_rows``: the fraction).
@@ -94,18 +95,20 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
         loss_aggregation: AggregationMode = "seq_mean_token_mean", max_grad_norm: float | None = 1.0,
         logprob_chunk_size: int = 256, seed: int = 0, skip_inert_rows: bool = True, length_bucketing: bool = True,
         share_prompt_forward: bool = True, loss_norm_length: int | None = None, lora: LoraSettings | None = None,
+        grad_clip: GradClip = "joint",
     ) -> None:
         super().__init__()
         check_module_settings(self, dict(skip_inert_rows=skip_inert_rows, length_bucketing=length_bucketing,
                                          share_prompt_forward=share_prompt_forward), dict(
             num_iterations=num_iterations, num_minibatches=num_minibatches, logprob_chunk_size=logprob_chunk_size),
-            micro_batch_size, max_grad_norm, loss_norm_length, loss_aggregation)
+            micro_batch_size, max_grad_norm, loss_norm_length, loss_aggregation, grad_clip)
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "lora"])
         self.hparams["lora"] = asdict(lora) if lora is not None else None  # plain data in checkpoints
         self.optimizer_factory, self.lr_scheduler_factory = optimizer, lr_scheduler
         self.num_iterations, self.num_minibatches = num_iterations, num_minibatches
         self.micro_batch_size, self.loss_aggregation = micro_batch_size, loss_aggregation
-        self.max_grad_norm, self.logprob_chunk_size, self.seed = max_grad_norm, logprob_chunk_size, seed
+        self.max_grad_norm, self.grad_clip = max_grad_norm, grad_clip
+        self.logprob_chunk_size, self.seed = logprob_chunk_size, seed
         self.skip_inert_rows, self.length_bucketing = skip_inert_rows, length_bucketing
         self.share_prompt_forward, self.loss_norm_length = share_prompt_forward, loss_norm_length
         self.policy, self.tokenizer = load_policy(model_name_or_path, dtype)
@@ -291,10 +294,11 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
         return [cb for cb in self.trainer.callbacks if isinstance(cb, LossTerm)] if self._trainer else []
 
     def _optimizer_step(self, optimizer: Any, metrics: UpdateMetrics, step: OptimizerStep) -> None:
-        params = [p for p in self.trainable_parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm or float("inf"))
-        grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm  # FSDP: the global norm
+        grad_norm, group_norms = clip_gradients(self.trainable_parameters(), self.parameter_groups(),
+                                                self.max_grad_norm, self.grad_clip)
         check_finite(grad_norm, "gradient norm", self.global_step, step.iteration, step.index)
         metrics.add("train/grad_norm", grad_norm)
+        for name, norm in group_norms.items():
+            metrics.add(f"train/grad_norm_{name}", norm)
         # only the last step is Lightning's, so that global_step counts rollout batches
         (optimizer.step if step.last else optimizer.optimizer.step)()

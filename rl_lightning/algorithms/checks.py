@@ -1,7 +1,8 @@
 """``check_settings``: the one way a method refuses an invalid constructor argument; ``check_finite``: the one way an
 update refuses a non-finite loss or gradient (``NonFiniteLossError``, before any optimiser step); ``check_hook_output``:
 the one way the base refuses a hook's output of the wrong shape, naming the hook and the shape it expected (a
-``[n]`` objective where ``[n, T]`` belongs would otherwise broadcast, silently when ``n == T``).
+``[n]`` objective where ``[n, T]`` belongs would otherwise broadcast, silently when ``n == T``); ``build_optimizer``
+and ``clip_gradients``: the optimiser's groups and the gradient clip over them.
 
 Each rule is ``(field, value, valid, rule)``; the first invalid one raises ``ConfigError("<Class>: <field> <rule>,
 got <value>")`` (a ``ValueError``), which the CLI reports in one line with the config file and line of the field
@@ -12,9 +13,11 @@ from __future__ import annotations
 
 import difflib
 import warnings
-from typing import Any, Iterable
+from typing import Any, Iterable, Literal
 
-from torch import Tensor
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from rl_lightning.functional.errors import ConfigError
 
@@ -36,16 +39,21 @@ def check_settings(owner: Any, rules: Iterable[tuple[str, Any, bool, str]], own:
             raise ConfigError(f"{type(owner).__name__}: {name} {rule}, got {value!r}")
 
 
+GradClip = Literal["joint", "per_group"]
+
+
 def check_module_settings(owner: Any, flags: dict[str, Any], counts: dict[str, Any], micro_batch_size: Any,
-                          max_grad_norm: Any, loss_norm_length: Any, loss_aggregation: str) -> None:
+                          max_grad_norm: Any, loss_norm_length: Any, loss_aggregation: str,
+                          grad_clip: str = "joint") -> None:
     """``RLModule``'s own settings (``check_settings``): ``flags`` true or false, ``counts`` >= 1, a micro-batch
-    size and a gradient-norm clip positive or null, and the constant length normaliser set where the aggregation
-    divides by it."""
+    size and a gradient-norm clip positive or null, the clip's scope, and the constant length normaliser set where
+    the aggregation divides by it."""
     check_settings(owner, [(k, v, isinstance(v, bool), "must be true or false") for k, v in flags.items()] + [
         (k, v, v >= 1, "must be >= 1") for k, v in counts.items()] + [
         ("micro_batch_size", micro_batch_size, micro_batch_size is None or micro_batch_size >= 1,
          "must be >= 1 or null"),
         ("max_grad_norm", max_grad_norm, max_grad_norm is None or max_grad_norm > 0, "must be > 0 or null"),
+        ("grad_clip", grad_clip, grad_clip in ("joint", "per_group"), "must be joint or per_group"),
         ("loss_norm_length", loss_norm_length,
          (loss_norm_length or 0) >= 1 or loss_aggregation != "seq_mean_token_sum_norm",
          "must be >= 1 with loss_aggregation seq_mean_token_sum_norm (the constant length normaliser)")])
@@ -58,6 +66,33 @@ def build_optimizer(factory: Any, groups: list[dict[str, Any]]) -> Any:
         return factory(groups)
     except (ValueError, TypeError) as err:
         raise ValueError(f"model.init_args.optimizer: the optimiser refused its settings: {err}") from None
+
+
+def clip_gradients(params: list[nn.Parameter], groups: list[dict[str, Any]], max_norm: float | None,
+                   scope: str = "joint") -> tuple[Tensor, dict[str, Tensor]]:
+    """Clip gradients in place to ``max_norm`` (``None``: no clip); return the norm of all of them before clipping
+    and, with ``scope="per_group"``, each optimiser group's (by the group's ``name``; the first is ``policy``).
+
+    ``joint``: one norm over ``params``, every gradient scaled by ``min(1, max_norm / ‖g‖)`` (torch's
+    ``clip_grad_norm_``). ``per_group``: each of ``groups`` clipped by its own norm, as separate optimisers for the
+    actor and the critic clip them (verl's and OpenRLHF's actor and critic workers): a critic's large gradient then
+    no longer shortens the actor's step. The returned total is ``sqrt(Σ_g ‖g‖²)``, the joint norm before clipping.
+    """
+    limit = float("inf") if max_norm is None else float(max_norm)
+    if scope == "joint":
+        return _full(torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], limit)), {}
+    norms: dict[str, Tensor] = {}
+    for i, group in enumerate(groups):
+        grads = [p for p in group["params"] if p.grad is not None]
+        name = group.get("name", "policy" if i == 0 else f"group{i}")
+        if grads:
+            norms[name if name not in norms else f"{name}{i}"] = _full(torch.nn.utils.clip_grad_norm_(grads, limit))
+    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms.values()])) if norms else torch.zeros(())
+    return total, norms
+
+
+def _full(norm: Tensor) -> Tensor:
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm  # FSDP: the global norm
 
 
 def check_hook_output(owner: Any, hook: str, value: Any, shapes: Iterable[tuple[int, ...]], what: str) -> None:
