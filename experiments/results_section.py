@@ -26,8 +26,9 @@ STUDIES = (
                      "2-digit addition"),
     ("reach", "Reach the target (multi-turn, distinct starting states): GRPO against TEMPO, LVRL, CoPE, AC2 and SAO, "
               "each with its ablation"),
-    ("running_sum", "Running sums written out (long responses): GRPO, and EasyPPO and BPCO with their ablations "
-                    "(in progress)"),
+    ("reach_critics", "Reach the target: AC2 with its value-token critic on the policy's weights and on weights of "
+                      "its own (300 steps)"),
+    ("running_sum", "Running sums written out (long responses): GRPO, and EasyPPO and BPCO with their ablations"),
     ("smollm2_lora", "SmolLM2-135M-Instruct with LoRA adapters: GRPO on word problems, 200 test problems"),
 )
 
