@@ -76,7 +76,9 @@ def clip_gradients(params: list[nn.Parameter], groups: list[dict[str, Any]], max
     ``joint``: one norm over ``params``, every gradient scaled by ``min(1, max_norm / ‖g‖)`` (torch's
     ``clip_grad_norm_``). ``per_group``: each of ``groups`` clipped by its own norm, as separate optimisers for the
     actor and the critic clip them (verl's and OpenRLHF's actor and critic workers): a critic's large gradient then
-    no longer shortens the actor's step. The returned total is ``sqrt(Σ_g ‖g‖²)``, the joint norm before clipping.
+    no longer sets the factor the actor's gradient is scaled by (under Adam a constant factor cancels; one that
+    varies from step to step reweights the actor's steps). The returned total is ``sqrt(Σ_g ‖g‖²)``, the joint norm
+    before clipping.
     """
     limit = float("inf") if max_norm is None else float(max_norm)
     if scope == "joint":
