@@ -141,7 +141,8 @@ def test_each_task_preset_writes_its_runs_under_its_own_name():
               "guess_lvrl": ["lvrl", "guess", "guess_lvrl"],
               "arithmetic_hard_ac2": ["ac2", "arithmetic_hard", "arithmetic_hard_ac2"],
               "reach": ["grpo", "reach"], "reach_tempo": ["tempo", "reach", "reach_tempo"],
-              "reach_ac2": ["ac2", "reach", "reach_ac2"], "running_sum": ["grpo", "running_sum"],
+              "reach_ac2": ["ac2", "reach", "reach_ac2"], "reach_cope": ["cope", "reach", "reach_cope"],
+              "running_sum": ["grpo", "running_sum"],
               "smollm2_words": ["grpo_smollm2", "smollm2_words"]}
     assert set(stacks) == {p.stem for p in TASKS.glob("*.yaml")}
     for name, (method, *tasks) in stacks.items():
