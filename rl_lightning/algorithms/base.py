@@ -294,8 +294,8 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
         return [cb for cb in self.trainer.callbacks if isinstance(cb, LossTerm)] if self._trainer else []
 
     def _optimizer_step(self, optimizer: Any, metrics: UpdateMetrics, step: OptimizerStep) -> None:
-        grad_norm, group_norms = clip_gradients(self.trainable_parameters(), self.parameter_groups(),
-                                                self.max_grad_norm, self.grad_clip)
+        groups = self.parameter_groups() if self.grad_clip == "per_group" else []  # joint: no second list per step
+        grad_norm, group_norms = clip_gradients(self.trainable_parameters(), groups, self.max_grad_norm, self.grad_clip)
         check_finite(grad_norm, "gradient norm", self.global_step, step.iteration, step.index)
         metrics.add("train/grad_norm", grad_norm)
         for name, norm in group_norms.items():
