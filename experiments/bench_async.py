@@ -4,7 +4,7 @@
 
 Each setting is a real ``rl-lightning fit`` of ``--config`` (default: SAO on guess-the-number, 128 episodes per
 step) for ``--steps`` steps without validation and without the critic warm-up (every step is a full actor and
-critic update), with ``data.async_queue`` 2 (a background producer generates the next batches while the learner
+critic update), with ``data.async_rollout.queue`` 2 (a background producer generates the next batches while the learner
 updates) and 0 (each batch generated when the learner needs it). The settings alternate within each repeat.
 Prints, per setting, the median over repeats of the learner's seconds per step (TensorBoard event times of
 ``train/reward`` from the second step to the last: the first step includes start-up), the mean of
@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def run(config: str, queue: int, steps: int, root: str) -> dict[str, float]:
     name = f"async{queue}"
-    command = [str(REPO / ".venv/bin/rl-lightning"), "fit", "--config", config, "--data.init_args.async_queue",
+    command = [str(REPO / ".venv/bin/rl-lightning"), "fit", "--config", config, "--data.init_args.async_rollout.queue",
                str(queue), "--trainer.max_steps", str(steps), "--trainer.limit_val_batches", "0",
                "--trainer.callbacks", '[{"class_path": "rl_lightning.callbacks.FreezeCriticModules", '
                '"init_args": {"patterns": ["self_attn"]}}]', "--trainer.logger.init_args.save_dir", root,

@@ -181,8 +181,8 @@ def main() -> None:
     print(f"\nembedded: {b.num_rows} rows ({b.num_rows // GROUP} prompts x {GROUP}), prompt {b.prompt_length} "
           f"columns, responses <= {b.loss_mask.shape[1]} tokens (mean {float(b.response_lengths.float().mean()):.1f})")
     bench_update("embedded", module, batches, args.repeats, lr)
-    bench_generate("embedded", module, [(x.input_ids[:, :x.prompt_length], x.attention_mask[:, :x.prompt_length])
-                                        for x in batches], config["data"]["init_args"]["max_new_tokens"], args.repeats)
+    prompts = [(x.input_ids[:, :x.prompt_length], x.attention_mask[:, :x.prompt_length]) for x in batches]
+    bench_generate("embedded", module, prompts, config["data"]["init_args"]["sampling"]["max_new_tokens"], args.repeats)
     if args.skip_long:
         return
     with tempfile.TemporaryDirectory() as tmp:

@@ -38,6 +38,7 @@ import yaml  # noqa: E402
 from rl_lightning.algorithms import GRPO  # noqa: E402
 from rl_lightning.envs import ArithmeticTask  # noqa: E402
 from rl_lightning.rollout import RolloutBatch, RolloutDataModule  # noqa: E402
+from rl_lightning.rollout.settings import grouped  # noqa: E402
 
 
 class _Optimizer:
@@ -67,7 +68,7 @@ def _module(config: dict, **overrides: object) -> GRPO:
 def real_batches(module: GRPO, config: dict, steps: int) -> list[RolloutBatch]:
     data = dict(config["data"]["init_args"])
     task = ArithmeticTask(**data.pop("task")["init_args"])
-    dm = RolloutDataModule(task=task, **data)
+    dm = RolloutDataModule(task=task, **grouped(data))
     dm.trainer = SimpleNamespace(lightning_module=module, global_rank=0, world_size=1, global_step=0)
     batches = []
     for step in range(steps):

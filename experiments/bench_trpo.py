@@ -33,6 +33,7 @@ from torch.nn.utils import parameters_to_vector  # noqa: E402
 import rl_lightning.algorithms.trpo as trpo  # noqa: E402
 from rl_lightning.envs import ArithmeticTask  # noqa: E402
 from rl_lightning.rollout import RolloutBatch, RolloutDataModule  # noqa: E402
+from rl_lightning.rollout.settings import grouped  # noqa: E402
 
 METHODS = ("double_backward", "gauss_newton")
 
@@ -58,7 +59,7 @@ def build(batches: int) -> tuple[trpo.TRPO, list[RolloutBatch]]:
     module.optimizers = lambda: optimizer  # type: ignore[method-assign]
     data = dict(config["data"]["init_args"])
     task = ArithmeticTask(**data.pop("task")["init_args"])
-    dm = RolloutDataModule(task=task, **data)
+    dm = RolloutDataModule(task=task, **grouped(data))
     dm.trainer = SimpleNamespace(lightning_module=module, global_rank=0, world_size=1, global_step=0)
     return module, [dm.rollout(dm.prompt_batch(step)) for step in range(batches)]
 

@@ -136,7 +136,7 @@ def run_ours(ckpt: Path, steps: int, warmup: int, device: str = "cpu") -> dict:
     import torch
 
     from rl_lightning.algorithms import GRPO
-    from rl_lightning.rollout import RolloutDataModule
+    from rl_lightning.rollout import PromptFormat, RolloutDataModule, Sampling
 
     texts = prompt_texts()
     split: list[dict[str, float]] = []
@@ -149,10 +149,10 @@ def run_ours(ckpt: Path, steps: int, warmup: int, device: str = "cpu") -> dict:
     module = GRPO(model_name_or_path=str(ckpt), loss_aggregation="seq_mean_token_mean", max_grad_norm=1.0,
                   optimizer=lambda p: torch.optim.AdamW(p, lr=LR, weight_decay=0.0))
     datamodule = RolloutDataModule(task=common.listed_task([(t, None) for t in texts]),
-                                   prompts_per_step=PROMPTS_PER_STEP, group_size=GROUP, max_new_tokens=MAX_NEW,
-                                   temperature=1.0, top_p=1.0,
+                                   prompts_per_step=PROMPTS_PER_STEP, group_size=GROUP,
                                    reward_fn=common.function_reward(lambda prompt, response: reward_value(response)),
-                                   add_bos=False)
+                                   sampling=Sampling(max_new_tokens=MAX_NEW, temperature=1.0, top_p=1.0),
+                                   prompt_format=PromptFormat(add_bos=False))
     times = common.fit_ours(module, datamodule, warmup=warmup, steps=steps, on_batch=on_batch, device=device)
     result = {"step_times": times, "tokens": [s["tokens"] for s in split[warmup:]], "split": split[warmup:],
               "peak_rss_mb": common.peak_mb(device)}

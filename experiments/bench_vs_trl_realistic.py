@@ -46,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -179,7 +180,8 @@ def run_ours(workload: str, ckpt: Path, steps: int, warmup: int) -> dict:
     import torch
 
     from rl_lightning.algorithms import GRPO
-    from rl_lightning.rollout import RolloutDataModule
+    from rl_lightning.rollout import PromptFormat, RolloutDataModule, Sampling
+    from rl_lightning.rollout.settings import grouped
 
     spec = WORKLOADS[workload]
     cfg = config()
@@ -196,9 +198,11 @@ def run_ours(workload: str, ckpt: Path, steps: int, warmup: int) -> dict:
     model_args = {k: v for k, v in cfg["model"]["init_args"].items() if k != "optimizer"}  # configs/grpo.yaml
     model_args["model_name_or_path"] = "embedded:arithmetic" if spec["model"] == "embedded" else str(ckpt)
     module = GRPO(**model_args, optimizer=lambda p: torch.optim.AdamW(p, lr=spec["lr"], weight_decay=0.0))
-    data = {k: v for k, v in cfg["data"]["init_args"].items() if k not in ("task", "val_batch_size")}
-    data.update(prompts_per_step=spec["prompts"], group_size=GROUP, max_new_tokens=spec["max_new"],
-                temperature=1.0, top_p=1.0, add_bos=spec["bos"])
+    data = grouped({k: v for k, v in cfg["data"]["init_args"].items() if k not in ("task", "evaluation")})
+    data.update(prompts_per_step=spec["prompts"], group_size=GROUP,
+                sampling=replace(data.get("sampling", Sampling()), max_new_tokens=spec["max_new"], temperature=1.0,
+                                 top_p=1.0),
+                prompt_format=replace(data.get("prompt_format", PromptFormat()), add_bos=spec["bos"]))
     datamodule = RolloutDataModule(
         task=common.listed_task(pairs),
         reward_fn=common.function_reward(lambda prompt, response: reward(spec["reward"], response, prompt.answer)),

@@ -61,6 +61,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -219,7 +220,8 @@ def run_ours(workload: str, ckpt: Path, steps: int, warmup: int, prompts_per_ste
 
     from rl_lightning.algorithms import GRPO
     from rl_lightning.models.adapters import LoraSettings
-    from rl_lightning.rollout import RolloutDataModule
+    from rl_lightning.rollout import PromptFormat, RolloutDataModule, Sampling
+    from rl_lightning.rollout.settings import grouped
 
     spec = WORKLOADS[workload]
     cfg = yaml_config("grpo_smollm2.yaml")
@@ -253,10 +255,10 @@ def run_ours(workload: str, ckpt: Path, steps: int, warmup: int, prompts_per_ste
     if spec["lora"]:
         model_args["lora"] = LoraSettings(**LORA)
     module = GRPO(**model_args, optimizer=lambda p: torch.optim.AdamW(p, lr=spec["lr"], weight_decay=0.0))
-    data = {k: v for k, v in {**cfg["data"]["init_args"], **words}.items()
-            if k not in ("task", "val_batch_size", "num_val_prompts")}
-    data.update(prompts_per_step=prompts_per_step, group_size=group, max_new_tokens=max_new, temperature=1.0, top_p=1.0,
-                add_bos=False, use_chat_template=True)
+    data = grouped({k: v for k, v in {**cfg["data"]["init_args"], **words}.items() if k not in ("task", "evaluation")})
+    data.update(prompts_per_step=prompts_per_step, group_size=group,
+                sampling=replace(data.get("sampling", Sampling()), max_new_tokens=max_new, temperature=1.0, top_p=1.0),
+                prompt_format=replace(data.get("prompt_format", PromptFormat()), add_bos=False, use_chat_template=True))
     datamodule = RolloutDataModule(task=common.listed_task(pairs), reward_fn=verifier(), **data)
     before = matmul_flops()
     times = common.fit_ours(module, datamodule, warmup=warmup, steps=steps, on_batch=on_batch, on_start=on_start)

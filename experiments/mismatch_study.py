@@ -8,8 +8,8 @@
 
 Methods (each from its own config, stacked with ``configs/tasks/arithmetic_hard.yaml``, 200 steps x 128
 responses): REINFORCE, GRPO, GRPO + TIS (``tis_cap: 2``), ScoreCentering (top-8 head), StableReinforce (K = 8
-draws). Mismatch settings: the sampler refreshed every 1, 4 or 8 steps (``data.sampler_sync_interval``) in fp32,
-and a bf16 copy of the policy as the sampler, refreshed every step (``data.sampler_dtype: bfloat16``). Seeds 0, 1,
+draws). Mismatch settings: the sampler refreshed every 1, 4 or 8 steps (``data.sampling.sync_interval``) in fp32,
+and a bf16 copy of the policy as the sampler, refreshed every step (``data.sampling.dtype: bfloat16``). Seeds 0, 1,
 2 (the run's seed sets sampling and minibatch order; the task's prompt stream is the same for every run).
 
 Runs land in ``runs/mismatch/<method>_<setting>/version_N``; a run counts as done when its config has the seed
@@ -67,7 +67,7 @@ def train(method: str, setting: str, seed: int) -> None:
     _, interval, dtype = SETTINGS[setting]
     command = [
         str(REPO / ".venv/bin/rl-lightning"), "fit", "--config", config, "--config", TASK, *extra,
-        "--data.init_args.sampler_sync_interval", str(interval), "--data.init_args.sampler_dtype", dtype,
+        "--data.init_args.sampling.sync_interval", str(interval), "--data.init_args.sampling.dtype", dtype,
         "--trainer.logger.init_args.name", run_name(method, setting), "--trainer.enable_progress_bar", "false",
         "--seed_everything", str(seed), "--data.init_args.seed", str(seed), "--model.init_args.seed", str(seed),
     ]
@@ -111,8 +111,8 @@ def report(seeds: list[int], out: Path, plot: Path, notes: Path) -> None:
         f"start (held-out greedy accuracy {sum(starts) / max(len(starts), 1):.3f} at step 0), 200 steps x 128 "
         "responses per method (16 prompts x 8), the same prompt stream for every run; seeds "
         f"{', '.join(map(str, seeds))}. `val/reward`: greedy success on the 500 fixed held-out prompts. The "
-        "sampler is the policy (lag 1), a copy refreshed every 4 or 8 steps (`data.sampler_sync_interval`), or a "
-        "bf16 copy refreshed every step (`data.sampler_dtype: bfloat16`) against the fp32 learner. Two runs at a "
+        "sampler is the policy (lag 1), a copy refreshed every 4 or 8 steps (`data.sampling.sync_interval`), or a "
+        "bf16 copy refreshed every step (`data.sampling.dtype: bfloat16`) against the fp32 learner. Two runs at a "
         "time on 2 CPU cores.", "",
         "### Final held-out reward (step 200; mean over seeds, min–max in brackets)", "", header, rule,
     ]
@@ -190,7 +190,7 @@ def probe(steps: int = 24) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name, (interval, dtype) in PROBE.items():
             command = [str(REPO / ".venv/bin/rl-lightning"), "fit", "--config", "configs/reinforce.yaml",
-                       "--data.init_args.sampler_sync_interval", str(interval), "--data.init_args.sampler_dtype",
+                       "--data.init_args.sampling.sync_interval", str(interval), "--data.init_args.sampling.dtype",
                        dtype, "--trainer.max_steps", str(steps), "--trainer.limit_val_batches", "0",
                        "--trainer.logger.init_args.save_dir", tmp, "--trainer.logger.init_args.name", "probe",
                        "--trainer.enable_progress_bar", "false", "--trainer.callbacks", "[]"]

@@ -75,7 +75,7 @@ def _child(config: str, steps: int, out: str) -> None:
         args += [f"--trainer.max_steps={steps}", "--trainer.logger=false",
                  f"--trainer.default_root_dir={root}", "--trainer.val_check_interval=1",
                  "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false",
-                 "--data.init_args.val_batch_size=16"]
+                 "--data.init_args.evaluation.batch_size=16"]
         cli = build_cli(args, run=False, save_config=False)
         recorder = Recorder()
         cli.trainer.loggers = [recorder]

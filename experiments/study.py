@@ -236,7 +236,7 @@ def run_env(study: Study) -> dict[str, str]:
 # ============================================================================================ configs and hashes
 def fit_args(study: Study, arm: Arm, seed: int) -> list[str]:
     args = [a for config in arm.configs for a in ("--config", config)] + arm.args
-    return args + ["--data.init_args.eval_split", study.split, "--seed_everything", str(seed),
+    return args + ["--data.init_args.evaluation.split", study.split, "--seed_everything", str(seed),
                    "--data.init_args.seed", str(seed), "--model.init_args.seed", str(seed),
                    "--trainer.enable_progress_bar", "false"]  # the log file gets the CLI's lines, not bars
 

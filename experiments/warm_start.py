@@ -51,7 +51,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase  # noqa: E402
 
 from rl_lightning.envs import ArithmeticTask, Prompt  # noqa: E402
 
-MAX_NEW_TOKENS = 6  # the configs' data.init_args.max_new_tokens: a 4-digit sum + <eos> fits
+MAX_NEW_TOKENS = 6  # the configs' data.init_args.sampling.max_new_tokens: a 4-digit sum + <eos> fits
 DEFAULT_OUT = Path("rl_lightning/models/assets/arithmetic")
 
 

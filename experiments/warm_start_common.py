@@ -41,7 +41,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel  #
 from transformers import PreTrainedTokenizerBase  # noqa: E402
 
 from rl_lightning.models.policy import build_tiny_policy  # noqa: E402
-from rl_lightning.rollout import GroupRollout, RolloutBatch, RolloutDataModule  # noqa: E402
+from rl_lightning.rollout import GroupRollout, RolloutBatch, RolloutDataModule, Sampling  # noqa: E402
+from rl_lightning.rollout import Evaluation as EvalSettings  # noqa: E402
 
 MAX_POSITIONS = 64  # the multi-turn warm starts' tiny Llama: max_position_embeddings
 
@@ -265,10 +266,9 @@ class EpisodePreset:
                    ) -> RolloutDataModule:
         """The preset's data module with the method configs' 16 prompts x 8 episodes, attached to ``model``
         through a stand-in trainer so its rollouts can be called directly."""
-        dm = RolloutDataModule(
-            task=self.task(), prompts_per_step=16, group_size=8, max_new_tokens=self.max_new_tokens,
-            val_batch_size=self.val_batch_size, seed=seed, strategy=self.strategy(),
-        )
+        dm = RolloutDataModule(task=self.task(), prompts_per_step=16, group_size=8, seed=seed,
+                               strategy=self.strategy(), sampling=Sampling(max_new_tokens=self.max_new_tokens),
+                               evaluation=EvalSettings(batch_size=self.val_batch_size))
         dm.trainer = SimpleNamespace(lightning_module=SimpleNamespace(policy=model, tokenizer=tokenizer),
                                      global_rank=0, world_size=1)
         return dm
@@ -280,8 +280,9 @@ class EpisodePreset:
         from rl_lightning.algorithms import GRPO
 
         module = GRPO(model_name_or_path=str(out))
-        dm = RolloutDataModule(task=self.task(), max_new_tokens=self.max_new_tokens,
-                               val_batch_size=self.val_batch_size, strategy=self.strategy())
+        dm = RolloutDataModule(task=self.task(), strategy=self.strategy(),
+                               sampling=Sampling(max_new_tokens=self.max_new_tokens),
+                               evaluation=EvalSettings(batch_size=self.val_batch_size))
         trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                              enable_progress_bar=False, enable_model_summary=False)
         trainer.validate(module, datamodule=dm, verbose=False)

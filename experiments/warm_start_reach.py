@@ -60,6 +60,7 @@ import random
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 EXPERIMENTS = str(Path(__file__).resolve().parent)
@@ -180,7 +181,8 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
 @torch.no_grad()
 def greedy_stats(dm: RolloutDataModule, split: str) -> dict:
     """Greedy success and mean turns on ``split`` (``"test"`` or ``"validation"``) through the data module."""
-    dm.eval_split = split
+    held = dm.evaluation
+    dm.evaluation = replace(held, split=split)
     try:
         rewards, turns = [], []
         for batch in dm.val_prompt_batches():
@@ -188,7 +190,7 @@ def greedy_stats(dm: RolloutDataModule, split: str) -> dict:
             rewards += out.rewards.tolist()
             turns += out.num_turns.tolist()
     finally:
-        dm.eval_split = "test"
+        dm.evaluation = held
     return {"success": round(statistics.mean(rewards), 4), "turns": round(statistics.mean(turns), 3),
             "episodes": len(rewards)}
 

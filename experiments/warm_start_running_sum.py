@@ -55,7 +55,7 @@ from transformers import LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerB
 from rl_lightning.envs.running_sum import RunningSumTask  # noqa: E402
 from rl_lightning.models.policy import tiny_llama_config  # noqa: E402
 from rl_lightning.models.tokenizer import build_number_tokenizer  # noqa: E402
-from rl_lightning.rollout import RolloutDataModule  # noqa: E402
+from rl_lightning.rollout import Evaluation, Recording, RolloutDataModule, Sampling  # noqa: E402
 
 MAX_NEW_TOKENS = 72  # configs/tasks/running_sum.yaml's max_new_tokens: the longest response (69 tokens) fits
 MAX_POSITIONS = 128  # <bos> + 24 prompt tokens + 72 response tokens = 97
@@ -151,8 +151,10 @@ def make_batch(task: RunningSumTask, tokenizer: PreTrainedTokenizerBase, step: i
 def datamodule(task: RunningSumTask, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
                eval_split: str = "test", record_topk: int = 0) -> RolloutDataModule:
     """The preset's data module (16 prompts x 8 responses, the cap) bound to ``model`` through a stand-in trainer."""
-    dm = RolloutDataModule(task=task, prompts_per_step=16, group_size=8, max_new_tokens=MAX_NEW_TOKENS,
-                           val_batch_size=500, eval_split=eval_split, record_topk=record_topk, seed=0)
+    dm = RolloutDataModule(task=task, prompts_per_step=16, group_size=8, seed=0,
+                           sampling=Sampling(max_new_tokens=MAX_NEW_TOKENS),
+                           evaluation=Evaluation(batch_size=500, split=eval_split),
+                           record=Recording(topk=record_topk))
     dm.trainer = SimpleNamespace(lightning_module=SimpleNamespace(policy=model, tokenizer=tokenizer),
                                  global_rank=0, world_size=1)
     return dm

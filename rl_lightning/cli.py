@@ -326,8 +326,9 @@ class RLCLI(compat.CheckpointPathCLI):
         config = self.config.get(str(self.subcommand), self.config)
         source = config.get("ckpt_path") or f"the initial weights of {self.model.hparams.get('model_name_or_path')}"
         count = len(data.heldout_prompts()) if hasattr(data, "heldout_prompts") else "the"
+        split = data.evaluation.split if hasattr(data, "evaluation") else "test"
         parts = [f"val/reward {float(metrics['val/reward']):.3f} on {count} held-out prompts "
-                 f"({getattr(data, 'eval_split', 'test')} split, greedy) from {source}"]
+                 f"({split} split, greedy) from {source}"]
         if self.trainer.log_dir:
             items = Path(self.trainer.log_dir) / "eval_items.csv"
             if items.is_file():

@@ -18,12 +18,13 @@ a <class 'int'>. Got value: many``. Which arguments a class takes is read with j
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 import types
 import typing
 from collections import abc
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Literal, Union
 
@@ -220,6 +221,27 @@ def _members(annotation: Any) -> list[Any]:
     return [annotation]
 
 
+def _settings_group(annotation: Any) -> type | None:
+    """The dataclass a parameter annotated ``annotation`` takes (a settings group, read as a mapping of its
+    fields: ``RolloutDataModule``'s ``sampling``), else ``None``."""
+    groups = [m for m in _members(annotation) if isinstance(m, type) and is_dataclass(m)]
+    return groups[0] if groups else None
+
+
+def _in_a_group(key: str, params: dict[str, Any], where: str) -> str:
+    """`` (it is a field of a settings group now: data.init_args.sampling.sync_interval?)`` where ``key`` names a
+    field of one of the class's settings groups: the field itself, a field with a prefix (``sampler_sync_interval``
+    for ``sync_interval``) or a close name; else ``""``."""
+    found = []
+    for name, annotation in params.items():
+        group = _settings_group(annotation)
+        for field_name in [f.name for f in fields(group)] if group is not None else []:
+            close = difflib.SequenceMatcher(None, key, field_name).ratio() >= 0.8
+            if key == field_name or key.endswith("_" + field_name) or close:
+                found.append(f"{where}.{name}.{field_name}")
+    return f" (a field of a settings group: did you mean {found[0]}?)" if found else ""
+
+
 def _takes_class_path(annotation: Any) -> bool:
     """Whether a string for ``annotation`` is read as an import path: it admits a class (or a callable) but not
     a string."""
@@ -266,9 +288,19 @@ class _Walk:
             source = _source(self.sources, where, f"{prefix}.{key}", prefix)
             if key not in params:
                 itself = any(key in signature_parameters(base) for base in cls.__mro__[1:-1])
-                why = f" ({cls.__name__} sets it itself)" if itself else suggest(key, list(params))
+                why = (f" ({cls.__name__} sets it itself)" if itself else
+                       _in_a_group(key, params, where.rpartition(".")[0]) or suggest(key, list(params)))
                 self.problems.append(Problem(where, f"unknown key: {cls.__name__} has no argument {key!r}{why}",
                                              source, value))
+            elif isinstance(value, dict) and (group := _settings_group(params[key])) is not None:
+                names = [f.name for f in fields(group)]
+                for field_name, field_value in value.items():
+                    if field_name not in names:
+                        self.problems.append(Problem(
+                            f"{where}.{field_name}", f"unknown key: {group.__name__} has no field {field_name!r}"
+                            f"{suggest(field_name, names)}", _source(self.sources, f"{where}.{field_name}",
+                                                                    f"{prefix}.{key}.{field_name}", prefix),
+                            field_value))
             elif isinstance(value, dict) and "class_path" in value:
                 self.node(value, where)
             elif isinstance(value, list):  # callbacks, loggers, plugins: the entries that name a class

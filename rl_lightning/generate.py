@@ -48,7 +48,7 @@ def _build(source: Path, build_cli: Callable[..., Any], overrides: dict[str, Any
         run_dir, checkpoint_path = locate_run(source)
         config, checkpoint = run_dir / "config.yaml", (checkpoint_path, read_checkpoint(checkpoint_path))
     settings = run_settings(config, logger=False, enable_progress_bar=False, enable_checkpointing=False, callbacks=None)
-    settings["data"].setdefault("init_args", {}).update(overrides)
+    settings["data"].setdefault("init_args", {}).setdefault("sampling", {}).update(overrides)
     cli = build_cli(settings, run=False, save_config=False)
     module, data = cli.model, cli.datamodule
     if checkpoint is None:
@@ -81,7 +81,7 @@ def generate(source: str | Path, out: str | Path, build_cli: Callable[..., Any],
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     rewards: list[list[float]] = []
-    chunk = max(1, data.val_batch_size // n)
+    chunk = max(1, data.evaluation.batch_size // n)
     with out.open("w") as fh:
         for start in range(0, len(prompts), chunk):
             part = prompts[start:start + chunk]

@@ -4,8 +4,8 @@
 
     report = check_method("configs/my_method.yaml", extra_metrics={"train/my_term"})   # raises ContractError
 
-From the method's config (plus ``args``, command-line style), on a small batch (``--data.init_args.max_new_tokens
-4``, no logger, no evaluation), it checks that
+From the method's config (plus ``args``, command-line style), on a small batch
+(``--data.init_args.sampling.max_new_tokens 4``, no logger, no evaluation), it checks that
 
 * a 2-step fit changes the parameters (``learns``);
 * resuming from the step-1 checkpoint gives parameters bit-identical to the straight 2-step run (``resumes``);
@@ -35,7 +35,7 @@ from rl_lightning.algorithms import Advantages, RLModule
 
 #: settings that make the check small (appended after the caller's ``args``)
 SMALL = ("--trainer.logger=false", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
-         "--data.init_args.max_new_tokens=4")
+         "--data.init_args.sampling.max_new_tokens=4")
 #: docs/metrics.md of a source checkout (absent from an installed wheel)
 METRICS_DOC = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
 

@@ -24,16 +24,17 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def tiny_datamodule(**overrides: Any):
-    """4 prompts x 4 responses, at most 4 new tokens, 16 held-out prompts."""
+    """4 prompts x 4 responses, at most 4 new tokens, 16 held-out prompts. ``overrides`` are the data module's
+    arguments, or fields of one of its settings groups (``temperature=1.5``, ``split="validation"``), which replace
+    that field of the tiny defaults."""
     from rl_lightning.envs import ArithmeticTask
-    from rl_lightning.rollout import RolloutDataModule
+    from rl_lightning.rollout import Evaluation, RolloutDataModule, Sampling
+    from tests.helpers.settings import data_kwargs
 
-    kwargs: dict[str, Any] = dict(
-        task=ArithmeticTask(num_heldout=16), prompts_per_step=4, group_size=4, max_new_tokens=4,
-        val_batch_size=16, seed=0,
-    )
+    kwargs: dict[str, Any] = dict(task=ArithmeticTask(num_heldout=16), prompts_per_step=4, group_size=4, seed=0,
+                                  sampling=Sampling(max_new_tokens=4), evaluation=Evaluation(batch_size=16))
     kwargs.update(overrides)
-    return RolloutDataModule(**kwargs)
+    return RolloutDataModule(**data_kwargs(**kwargs))
 
 
 def tiny_trainer(tmp_path: Path, max_steps: int, callbacks: list[Callback] | None = None, **overrides: Any) -> Trainer:

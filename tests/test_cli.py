@@ -17,7 +17,7 @@ CONFIGS = sorted([*(REPO / "configs").glob("*.yaml"), *(REPO / "configs" / "abla
 TINY = [
     "--trainer.max_steps", "2", "--trainer.val_check_interval", "2",
     "--data.init_args.task.init_args.num_heldout", "16", "--data.init_args.prompts_per_step", "4",
-    "--data.init_args.group_size", "4", "--data.init_args.max_new_tokens", "4",
+    "--data.init_args.group_size", "4", "--data.init_args.sampling.max_new_tokens", "4",
 ]
 
 
@@ -107,7 +107,8 @@ def test_bad_model_path_gives_one_clear_line(tmp_path):
 @pytest.mark.parametrize(
     "override, line",
     [(["--data.init_args.group_size", "-3"],  # checked when the data module is built
-      "rl-lightning: error in data (rl_lightning.rollout.RolloutDataModule): RolloutDataModule: invalid group_size=-3"),
+      "rl-lightning: error in data (rl_lightning.rollout.RolloutDataModule): RolloutDataModule: invalid "
+      "data.init_args.group_size=-3"),
      (["--data.init_args.group_size", "1"],  # checked by the method at setup, inside Trainer.fit
       "rl-lightning: error: GRPO needs data.init_args.group_size >= 2 (its baseline compares the responses to one "
       "prompt), got 1")],
@@ -126,7 +127,7 @@ def test_the_full_traceback_on_request(tmp_path):
         capture_output=True, text=True, timeout=600)
     assert env_proc.returncode == 1
     assert "Traceback (most recent call last)" in env_proc.stderr
-    assert "invalid group_size=-3" in env_proc.stderr
+    assert "invalid data.init_args.group_size=-3" in env_proc.stderr
 
 
 def test_short_fit_logs_the_fixed_metrics_and_resumes_from_last(tmp_path):
@@ -257,8 +258,9 @@ def test_the_private_names_compat_relies_on_still_exist(tmp_path):
 def test_validate_prints_its_result_and_writes_the_per_item_outcomes(tmp_path):
     """`rl-lightning validate` printed nothing before: now one line with the reward, the count, the split, the
     weights it evaluated and where the per-item outcomes are; the CSV holds one row per held-out prompt."""
-    proc = _cli("validate", "--config", str(REPO / "configs" / "grpo.yaml"), "--data.init_args.num_val_prompts", "12",
-                "--trainer.logger.init_args.save_dir", str(tmp_path), cwd=tmp_path)
+    proc = _cli("validate", "--config", str(REPO / "configs" / "grpo.yaml"),
+                "--data.init_args.evaluation.num_prompts", "12", "--trainer.logger.init_args.save_dir", str(tmp_path),
+                cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.startswith("rl-lightning: val/reward")]
     assert len(line) == 1, proc.stderr[-3000:]

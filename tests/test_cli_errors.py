@@ -43,6 +43,28 @@ def test_every_unknown_key_is_reported_with_the_closest_valid_name(capsys, tmp_p
         "unknown key: Trainer has no argument 'max_step' (did you mean max_steps?)")
 
 
+def test_a_flat_data_setting_points_to_its_group_and_a_group_field_typo_to_the_field(capsys, tmp_path):
+    """The data module's settings are grouped (``sampling``, ``evaluation``, ...): a flat key of an older config
+    names the group field it became, and an unknown field of a group is refused with the closest field, each with
+    its file and line."""
+    old = tmp_path / "old.yaml"
+    old.write_text("data:\n  init_args:\n    sampler_sync_interval: 2\n    sampling:\n      temprature: 0.5\n")
+    code, line = error_line(capsys, "--config", str(old), "--data.init_args.num_val_prompts", "3")
+    assert code == 2
+    assert line == (
+        f"rl-lightning: error: {old}:5: data.init_args.sampling.temprature: unknown key: Sampling has no field "
+        f"'temprature' (did you mean temperature?); {old}:3: data.init_args.sampler_sync_interval: unknown key: "
+        "RolloutDataModule has no argument 'sampler_sync_interval' (a field of a settings group: did you mean "
+        "data.init_args.sampling.sync_interval?); command line: data.init_args.num_val_prompts: unknown key: "
+        "RolloutDataModule has no argument 'num_val_prompts' (a field of a settings group: did you mean "
+        "data.init_args.evaluation.num_prompts?)")
+
+
+def test_a_bad_group_value_names_its_full_key(capsys):
+    code, line = error_line(capsys, "--data.init_args.sampling.temperature", "0")
+    assert code == 2 and line.endswith("invalid data.init_args.sampling.temperature=0.0")
+
+
 def test_a_wrong_type_names_the_key_the_expected_type_and_where_it_was_set(capsys, tmp_path):
     """jsonargparse's own message, cut to its innermost cause under the full key, with the key's file and line."""
     code, line = error_line(capsys, "--model.init_args.optimizer.init_args.lr", "fast")
@@ -205,7 +227,7 @@ def test_lightning_settings_and_missing_packages_fail_in_one_line(tmp_path, args
 def test_checkpointing_off_drops_the_configs_checkpoint_callback_and_runs(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "rl_lightning", "fit", "--config", str(REPO / "configs/grpo.yaml"),
                            "--trainer.enable_checkpointing", "false", "--trainer.max_steps", "1",
-                           "--trainer.val_check_interval", "1", "--data.init_args.num_val_prompts", "8",
+                           "--trainer.val_check_interval", "1", "--data.init_args.evaluation.num_prompts", "8",
                            "--trainer.logger.init_args.save_dir", str(tmp_path)],
                           cwd=REPO, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -382,7 +382,7 @@ def test_ddp_evaluation_gathers_every_items_outcome_in_heldout_order(tmp_path_fa
         assert [i for i, _ in rows] == list(range(15)) and all(r in (0.0, 1.0) for _, r in rows)
         assert sum(r for _, r in rows) / 15 == pytest.approx(logged[step], abs=1e-6)  # k/15 in float32: 1 ulp
     module = GRPO(model_name_or_path="embedded:arithmetic")
-    data = tiny_datamodule(prompts_per_step=4, task=ArithmeticTask(num_heldout=15), val_batch_size=4)
+    data = tiny_datamodule(prompts_per_step=4, task=ArithmeticTask(num_heldout=15), batch_size=4)
     tiny_trainer(tmp_path_factory.mktemp("one"), max_steps=0).fit(module, datamodule=data)
     got: dict[int, float] = {}
     data.evaluate(on_batch=lambda b: got.update(zip(b.prompt_index.tolist(), b.rewards.tolist())))

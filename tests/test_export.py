@@ -16,7 +16,8 @@ from rl_lightning.models.policy import load_policy, resolve_model_path
 from tests.conftest import REPO
 
 TINY = ["--trainer.max_steps=2", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
-        "--data.init_args.prompts_per_step=4", "--data.init_args.group_size=4", "--data.init_args.max_new_tokens=4",
+        "--data.init_args.prompts_per_step=4", "--data.init_args.group_size=4",
+        "--data.init_args.sampling.max_new_tokens=4",
         "--model.init_args.optimizer.init_args.lr=1e-2"]
 LORA = ["--config", str(REPO / "configs" / "presets" / "lora.yaml")]
 

@@ -20,7 +20,7 @@ from lightning.pytorch import Callback
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from rl_lightning.algorithms import LossTerm, PolicyOutput
-from rl_lightning.rollout import RolloutBatch
+from rl_lightning.rollout import Recording, RolloutBatch, Sampling
 from tests.conftest import REPO, RecordBatches
 
 DOC = REPO / "docs" / "extending.md"
@@ -115,7 +115,7 @@ def test_dr_grpo_advantages_and_weights_on_a_hand_batch():
     assert module.scale_rewards is False and module.loss_aggregation == "seq_mean_token_sum"
     with pytest.raises(RuntimeError, match="L_max is unknown"):
         module.loss_weights(None)
-    module.check_datamodule(SimpleNamespace(group_size=2, max_new_tokens=5))  # L_max = 5 (T below is 4)
+    module.check_datamodule(SimpleNamespace(group_size=2, sampling=Sampling(max_new_tokens=5)))  # L_max 5, T 4
 
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]])  # ragged, one empty row
     n, t = mask.shape
@@ -145,10 +145,10 @@ def test_the_head_kl_example_adds_the_sampler_head_kl_from_the_same_forward():
     head_kl = _example("head_kl")
     torch.manual_seed(0)
     module = head_kl.HeadKL(model_name_or_path="embedded:random", head_kl_coef=0.5, baseline="batch_mean")
-    with pytest.raises(ValueError, match="data.init_args.record_topk >= 1"):
-        module.check_datamodule(SimpleNamespace(record_topk=0))
-    dm = RolloutDataModule(task=ArithmeticTask(num_heldout=4), prompts_per_step=2, group_size=2, max_new_tokens=4,
-                           record_topk=3)
+    with pytest.raises(ValueError, match="data.init_args.record.topk >= 1"):
+        module.check_datamodule(SimpleNamespace(record=Recording(topk=0)))
+    dm = RolloutDataModule(task=ArithmeticTask(num_heldout=4), prompts_per_step=2, group_size=2,
+                           sampling=Sampling(max_new_tokens=4), record=Recording(topk=3))
     dm.trainer = fake_trainer(module)
     batch = dm.rollout(dm.prompt_batch(0))
     with torch.no_grad():
@@ -193,8 +193,8 @@ def test_the_countdown_environment_runs_as_multi_turn_episodes():
     task = steering.CountdownTask()
     assert {p.text for p in task.heldout_prompts()}.isdisjoint(task.train_prompt(i).text for i in range(500))
     module = GRPO(model_name_or_path="embedded:random")
-    dm = RolloutDataModule(task=task, prompts_per_step=2, group_size=2, max_new_tokens=3,
-                           strategy=GroupRollout(max_turns=3))
+    dm = RolloutDataModule(task=task, prompts_per_step=2, group_size=2, strategy=GroupRollout(max_turns=3),
+                           sampling=Sampling(max_new_tokens=3))
     dm.trainer = fake_trainer(module)
     batch = dm.rollout(dm.prompt_batch(0))
     assert (batch.num_turns == 3).all() and batch.obs_mask.sum() > 0
@@ -208,8 +208,8 @@ def test_prioritized_grpo_draws_the_prompts_it_fails_more_often(tmp_path):
     steering = _example("steering")
     module = steering.PrioritizedGRPO(model_name_or_path="embedded:arithmetic", floor=0.01)
     sampler = WeightedSampler(pool_size=8, replacement=True)
-    dm = RolloutDataModule(task=ArithmeticTask(num_heldout=4), prompts_per_step=4, group_size=4, max_new_tokens=4,
-                           prompt_sampler=sampler)
+    dm = RolloutDataModule(task=ArithmeticTask(num_heldout=4), prompts_per_step=4, group_size=4,
+                           prompt_sampler=sampler, sampling=Sampling(max_new_tokens=4))
     tiny_trainer(tmp_path, max_steps=3).fit(module, datamodule=dm)
     assert sampler.weight_fn == module.prompt_weights and module.success
     pool = sampler.pool(dm.task)
@@ -304,8 +304,9 @@ def test_the_branching_example_continues_from_stored_end_states(tmp_path):
     module = branching.ReplayGRPO(model_name_or_path="embedded:guess", replay=2, horizon=2)
     with pytest.raises(ValueError, match="ReplayGRPO sets where its rollouts start .* must be a .*BranchRollout"):
         RolloutDataModule(task=GuessNumberTask(), group_size=4).take_inputs(module.rollout_inputs(), "ReplayGRPO")
-    dm = RolloutDataModule(task=GuessNumberTask(), prompts_per_step=2, group_size=4, max_new_tokens=3,
-                           strategy=BranchRollout(n=4, max_turns=5, max_episode_tokens=32))
+    dm = RolloutDataModule(task=GuessNumberTask(), prompts_per_step=2, group_size=4,
+                           strategy=BranchRollout(n=4, max_turns=5, max_episode_tokens=32),
+                           sampling=Sampling(max_new_tokens=3))
     capture = _Capture()
     tiny_trainer(tmp_path, max_steps=3, callbacks=[capture]).fit(module, datamodule=dm)
     first, second, _ = capture.batches
@@ -336,7 +337,7 @@ def test_the_group_filter_and_reward_shaper_example_run_and_compute_what_they_sa
     batch = SimpleNamespace(rewards=torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0]), group_size=2)
     assert example.MixedAccuracy(0.0, 1.0).keep(batch).tolist() == [False, True, False]
     shaper = example.BrevityBonus(bonus=0.2)
-    shaper.bind(SimpleNamespace(max_new_tokens=4))
+    shaper.bind(SimpleNamespace(sampling=Sampling(max_new_tokens=4)))
     shaped = shaper.term(SimpleNamespace(loss_mask=torch.tensor([[1, 0, 0, 0], [1, 1, 1, 1]]),
                                          rewards=torch.zeros(2)))
     assert shaped.tolist() == pytest.approx([0.15, 0.0])  # 0.2 x (1 - 1/4), 0.2 x (1 - 4/4)

@@ -12,6 +12,7 @@ import pytest
 from rl_lightning.cli import build_cli, cli_main
 from rl_lightning.envs import ExactMatchReward, Prompt
 from rl_lightning.functional import pass_at_k
+from rl_lightning.rollout import Evaluation
 from tests.conftest import REPO
 
 GRPO = str(REPO / "configs" / "grpo.yaml")
@@ -32,7 +33,7 @@ def _lines(path: Path) -> list[dict]:
 def run(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("runs")
     cli_main(["fit", "--config", GRPO, "--trainer.max_steps=2", "--trainer.limit_val_batches=0",
-              "--trainer.enable_progress_bar=false", "--data.init_args.max_new_tokens=4",
+              "--trainer.enable_progress_bar=false", "--data.init_args.sampling.max_new_tokens=4",
               f"--trainer.logger.init_args.save_dir={root}"])
     (path,) = root.glob("grpo/version_*")
     return path
@@ -63,7 +64,7 @@ def test_greedy_responses_are_the_held_out_evaluations(tmp_path, capsys):
     assert code == 0 and "from the initial weights of embedded:arithmetic" in out
     cli = build_cli(["--config", GRPO, "--trainer.logger=false"], run=False, save_config=False)
     cli.datamodule.bind(cli.model.policy.eval(), cli.model.tokenizer)
-    cli.datamodule.num_val_prompts, cli.datamodule.val_batch_size = 16, 16
+    cli.datamodule.evaluation = Evaluation(batch_size=16, num_prompts=16)
     total, count = cli.datamodule.evaluate()
     lines = _lines(tmp_path / "g.jsonl")
     assert count == len(lines) == 16 and sum(s["reward"] for s in lines) == total

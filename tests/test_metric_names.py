@@ -13,8 +13,8 @@ from tests.conftest import REPO
 TINY = [
     "--trainer.max_steps", "2", "--trainer.val_check_interval", "2",
     "--data.init_args.task.init_args.num_heldout", "16", "--data.init_args.prompts_per_step", "4",
-    "--data.init_args.group_size", "4", "--data.init_args.max_new_tokens", "4",
-    "--data.init_args.val_batch_size", "16", "--trainer.enable_progress_bar", "false",
+    "--data.init_args.group_size", "4", "--data.init_args.sampling.max_new_tokens", "4",
+    "--data.init_args.evaluation.batch_size", "16", "--trainer.enable_progress_bar", "false",
 ]
 _NAME = re.compile(r"(?:train|val|perf)/[a-z_]+(?:\((_[a-z]+(?:/_[a-z]+)*)\))?")
 

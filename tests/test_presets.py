@@ -214,7 +214,8 @@ def test_the_hard_warm_start_is_right_10_to_25_percent_of_the_time_on_the_preset
     input_ids = torch.tensor([[tok.pad_token_id] * (width - len(r)) + r for r in rows])
     attention_mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
     out = sample(model, input_ids, attention_mask, SamplingParams(
-        max_tokens=data.max_new_tokens, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, greedy=True))
+        max_tokens=data.sampling.max_new_tokens, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        greedy=True))
     correct = 0
     for prompt, ids, mask in zip(prompts, out.response_ids.tolist(), out.mask.tolist()):
         ids = [i for i, m in zip(ids, mask) if m and i != tok.eos_token_id]

@@ -35,7 +35,7 @@ from tests.conftest import REPO, RecordRollouts, tiny_datamodule, tiny_trainer
 SHORT = [
     "--config", str(REPO / "configs" / "grpo.yaml"),
     "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", "logs",
-    "--data.init_args.task.init_args.num_heldout", "16", "--data.init_args.val_batch_size", "16",
+    "--data.init_args.task.init_args.num_heldout", "16", "--data.init_args.evaluation.batch_size", "16",
     "--trainer.enable_progress_bar", "false",
 ]
 

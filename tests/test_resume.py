@@ -45,7 +45,7 @@ def test_resume_from_a_checkpoint_is_exact(tmp_path):
 
 
 def test_resume_restores_the_lagged_sampler(tmp_path):
-    kwargs = dict(sampler_sync_interval=3)
+    kwargs = dict(sync_interval=3)
     straight_rec = RecordRollouts()
     straight = _module()
     tiny_trainer(tmp_path / "a", max_steps=4, callbacks=[straight_rec]).fit(
@@ -160,7 +160,7 @@ def test_resume_restores_a_lagged_sampler_whose_engine_cannot_give_its_weights_b
     from tests.helpers.engines import ListEngine
 
     assert ListEngine().weights() is None
-    kwargs = dict(sampler_sync_interval=3)
+    kwargs = dict(sync_interval=3)
     straight_rec, straight = RecordRollouts(), _module()
     tiny_trainer(tmp_path / "a", max_steps=4, callbacks=[straight_rec]).fit(
         straight, datamodule=tiny_datamodule(engine=ListEngine(), **kwargs))

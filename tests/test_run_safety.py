@@ -31,7 +31,7 @@ GRPO = str(REPO / "configs" / "grpo.yaml")
 def tiny(max_steps: int, val_every: int = 2) -> list[str]:
     return ["--trainer.max_steps", str(max_steps), "--trainer.val_check_interval", str(val_every),
             "--data.init_args.task.init_args.num_heldout", "16", "--data.init_args.prompts_per_step", "4",
-            "--data.init_args.group_size", "4", "--data.init_args.max_new_tokens", "4",
+            "--data.init_args.group_size", "4", "--data.init_args.sampling.max_new_tokens", "4",
             "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
 
 
@@ -262,7 +262,7 @@ def _logged_steps(run: Path) -> int:
 def test_an_interrupted_run_saves_its_last_step_and_resumes_exactly(tmp_path, signum):
     steps = ["--trainer.max_steps", "14", "--trainer.val_check_interval", "5",
              "--data.init_args.task.init_args.num_heldout", "16", "--data.init_args.prompts_per_step", "4",
-             "--data.init_args.group_size", "4", "--data.init_args.max_new_tokens", "4"]
+             "--data.init_args.group_size", "4", "--data.init_args.sampling.max_new_tokens", "4"]
     straight, cut = tmp_path / "straight", tmp_path / "cut"
     straight.mkdir(), cut.mkdir()
     proc = _cli_process(["fit", "--config", GRPO, *steps], straight)

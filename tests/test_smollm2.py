@@ -18,6 +18,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.conftest import REPO
+from rl_lightning.rollout import PromptFormat, Sampling
 
 CACHE_DIR = Path(os.path.expanduser("~/.cache/rl_lightning"))
 CONFIG = REPO / "configs" / "grpo_smollm2.yaml"
@@ -40,7 +41,7 @@ def test_smollm2_grpo_two_steps_on_cpu(tmp_path):
         [sys.executable, "-m", "rl_lightning", "fit", "--config", str(CONFIG),
          "--model.init_args.model_name_or_path", str(checkpoint),
          "--trainer.max_steps", "2", "--trainer.val_check_interval", "2",
-         "--data.init_args.num_val_prompts", "8"],
+         "--data.init_args.evaluation.num_prompts", "8"],
         cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=1800,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -76,8 +77,9 @@ def test_smollm2_multi_turn_trajectory_is_the_chat_templates_rendering():
     from tests.rollout.test_episodes import CountdownTask, conversation_ids
 
     module = GRPO(model_name_or_path=str(CACHE_DIR / "SmolLM2-135M-Instruct"))
-    dm = RolloutDataModule(task=CountdownTask(), prompts_per_step=2, group_size=1, max_new_tokens=12,
-                           use_chat_template=True, strategy=GroupRollout(max_turns=3, max_episode_tokens=200))
+    dm = RolloutDataModule(task=CountdownTask(), prompts_per_step=2, group_size=1,
+                           strategy=GroupRollout(max_turns=3, max_episode_tokens=200),
+                           sampling=Sampling(max_new_tokens=12), prompt_format=PromptFormat(use_chat_template=True))
     dm.trainer = fake_trainer(module)
     batch = dm.rollout(dm.val_prompt_batches()[0])  # greedy
     tok = module.tokenizer

@@ -184,7 +184,7 @@ def test_a_stopped_study_resumes_to_the_straight_runs_numbers(tmp_path):
     checkpoint, and its exported numbers equal those of a straight run of the same study elsewhere."""
     args = ["--trainer.max_steps", "12", "--trainer.val_check_interval", "4", "--data.init_args.prompts_per_step",
             "4", "--data.init_args.group_size", "4", "--data.init_args.task.init_args.num_validation", "32",
-            "--data.init_args.val_batch_size", "32"]
+            "--data.init_args.evaluation.batch_size", "32"]
     spec = {"split": "validation", "seeds": [0], "last_k": 2,
             "arms": {"grpo": {"configs": ["configs/grpo.yaml"], "args": args}}}
     cmd = [sys.executable, str(REPO / "experiments" / "study.py"), "run", "--allow-dirty"]

@@ -3,7 +3,7 @@
 GRPO with its two length/difficulty biases removed:
 
 * advantages ``A_i = R_i - mean_G(R)``: no division by the group's reward std;
-* a constant normaliser: ``L = Σ_{i,t} ℓ_{i,t} / (N · L_max)`` with ``L_max = data.max_new_tokens``,
+* a constant normaliser: ``L = Σ_{i,t} ℓ_{i,t} / (N · L_max)`` with ``L_max = data.sampling.max_new_tokens``,
   instead of GRPO's ``1/|o_i|`` per response. Not validated at scale.
 """
 
@@ -34,7 +34,7 @@ class DrGRPO(GRPO):
     @override
     def check_datamodule(self, datamodule: Any) -> None:
         super().check_datamodule(datamodule)  # GRPO: group_size >= 2
-        self.max_length = int(datamodule.max_new_tokens)
+        self.max_length = int(datamodule.sampling.max_new_tokens)
 
     @override
     def compute_advantages(self, batch: RolloutBatch) -> Tensor:

@@ -28,7 +28,7 @@ class BrevityBonus(RewardShaper):
         self.bonus, self.budget = bonus, 1
 
     def bind(self, datamodule) -> None:  # noqa: ANN001
-        self.budget = datamodule.max_new_tokens
+        self.budget = datamodule.sampling.max_new_tokens
 
     def term(self, batch: RolloutBatch) -> Tensor:
         used = batch.loss_mask.sum(dim=1).to(batch.rewards.dtype) / self.budget

@@ -25,7 +25,7 @@ class HeadKL(REINFORCE):
 
     @override
     def check_datamodule(self, datamodule: Any) -> None:
-        self.require_data_setting(datamodule, "record_topk", "the sampler's top-k head")
+        self.require_data_setting(datamodule, "record.topk", "the sampler's top-k head")
 
     @override
     def extra_logprob_ids(self, batch: RolloutBatch) -> Tensor | None:

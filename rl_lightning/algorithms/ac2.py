@@ -89,10 +89,11 @@ class AC2(GRPO):
         if not isinstance(datamodule.strategy, BranchRollout):
             raise ValueError("AC2: data.init_args.strategy must be a rl_lightning.rollout.BranchRollout (it continues "
                              "replayed prefixes)")
-        if getattr(datamodule, "async_queue", 0):
-            raise ValueError("AC2: data.init_args.async_queue must be 0 (the update fills the store the rollout reads)")
+        if datamodule.async_rollout.queue:
+            raise ValueError("AC2: data.init_args.async_rollout.queue must be 0 (the update fills the store the "
+                             "rollout reads)")
         self.critic.grid_ids(self.tokenizer)
-        self.max_new_tokens = int(datamodule.max_new_tokens)
+        self.max_new_tokens = int(datamodule.sampling.max_new_tokens)
 
     @override
     def rollout_inputs(self) -> RolloutInputs:

@@ -16,10 +16,10 @@ rank's first held-out batch.
 
 Per-item outcomes: every evaluation also keeps each held-out item's reward (gathered from every rank, in the order
 of the data module's ``heldout_prompts``), so that two runs can be compared item by item (a paired test). They are
-written, on rank 0, to ``eval_items.csv`` in the logger's ``log_dir`` (columns ``step,split,item,reward``; ``split``
-is the data module's ``eval_split``), rewritten whole after each evaluation from the callback's state, so a resumed
-run's file holds exactly the evaluations of the run it continues. Its state -- the step of the last evaluation,
-every ``(step, val/reward)`` and every evaluation's per-item rewards -- is kept in checkpoints.
+written, on rank 0, to ``eval_items.csv`` in the logger's ``log_dir`` (columns ``step,split,item,reward``;
+``split`` is the data module's ``evaluation.split``), rewritten whole after each evaluation from the callback's
+state, so a resumed run's file holds exactly the evaluations of the run it continues. Its state -- the step of the
+last evaluation, every ``(step, val/reward)`` and every evaluation's per-item rewards -- is kept in checkpoints.
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ class HeldoutEvaluation(Callback):
         if not trainer.is_global_zero or log_dir is None or not self.items:
             return
         datamodule = getattr(trainer, "datamodule", None)
-        split = getattr(datamodule, "eval_split", "test")
+        split = datamodule.evaluation.split if datamodule is not None else "test"
         lines = ["step,split,item,reward"] + [f"{step},{split},{i},{r!r}" for step in sorted(self.items)
                                                for i, r in enumerate(self.items[step])]
         path = Path(log_dir) / self.ITEMS_FILE

@@ -46,7 +46,7 @@ class FlashREINFORCE(PolicyGradient):
     The intended setting is one response per prompt (``data.group_size: 1``) over many independent prompts;
     a larger ``group_size`` is accepted and the baseline stays the mean over the whole batch (not per group).
     The gate only filters anything when the sampler differs from the learner (a lagged sampler,
-    ``data.sampler_sync_interval > 1``, or numerical mismatch of an inference engine): on-policy ``d = 0``.
+    ``data.sampling.sync_interval > 1``, or numerical mismatch of an inference engine): on-policy ``d = 0``.
 
     Logged besides the base metrics: ``train/trajectory_keep_fraction`` (rows kept out of every row of the
     step, on every rank), ``train/bernoulli_kl`` (token mean of ``d``), ``train/ratio_mean`` and

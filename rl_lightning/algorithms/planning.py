@@ -15,6 +15,7 @@ functions of the batch and the settings (testable without a Trainer).
 from __future__ import annotations
 
 from dataclasses import fields, replace
+from operator import attrgetter
 from typing import Any, Callable
 
 import torch
@@ -250,9 +251,13 @@ def rollout_weights(batch: RolloutBatch, mode: Any, ranks: Any, norm_length: flo
 
 
 def require_data_setting(module: Any, datamodule: Any, setting: str, what: str, minimum: int = 1) -> None:
-    """Refuse a data module whose ``setting`` (an int such as ``record_topk``) is below ``minimum``, naming the
-    config field and what the method reads from it (a data module without the attribute is not checked)."""
-    value = getattr(datamodule, setting, None)
+    """Refuse a data module whose ``setting`` (an int, by its dotted path: ``record.topk``, ``group_size``) is below
+    ``minimum``, naming the config field and what the method reads from it (a data module of another class,
+    without the setting, is not checked)."""
+    try:
+        value = attrgetter(setting)(datamodule)
+    except AttributeError:
+        value = None
     if value is not None and value < minimum:
         raise ValueError(f"{type(module).__name__} needs data.init_args.{setting} >= {minimum} ({what}); "
                          f"it is {value}")

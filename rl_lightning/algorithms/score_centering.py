@@ -3,7 +3,7 @@
 score is centred by the sampler's expected score, so that the update off-policy keeps only ``Cov_q(A, ψ)`` (no
 drift term).
 
-Per generated token, with ``H`` the sampler's recorded top-k ids (``data.record_topk``), ``q`` the sampler's and
+Per generated token, with ``H`` the sampler's recorded top-k ids (``data.record.topk``), ``q`` the sampler's and
 ``p`` the learner's full-vocabulary probabilities, ``ρ = (1 - Σ_H q) / (1 - Σ_H p)`` (both clamped at 1e-6)::
 
     ℓ_t = -sg(A) [ sg(w_a) log p_a - Σ_{v∈H} sg(q_v w_v - ρ_w p_v) log p_v ]
@@ -32,7 +32,7 @@ from rl_lightning.rollout.batch import RolloutBatch
 
 
 class ScoreCentering(PolicyGradient):
-    """REINFORCE with top-k score centering (needs ``data.record_topk >= 1``; ``min(8, V)`` on a tiny vocabulary).
+    """REINFORCE with top-k score centering (needs ``data.record.topk >= 1``; ``min(8, V)`` on a tiny vocabulary).
 
     The reference implementations use it with a REINFORCE loss only (not combinable with PPO-style clipping), so
     it is a ``PolicyGradient`` with REINFORCE's default EMA baseline: ``baseline``, ``ema_decay`` and
@@ -62,7 +62,7 @@ class ScoreCentering(PolicyGradient):
 
     @override
     def check_datamodule(self, datamodule: Any) -> None:
-        self.require_data_setting(datamodule, "record_topk", "the sampler's top-k ids and log-probs")
+        self.require_data_setting(datamodule, "record.topk", "the sampler's top-k ids and log-probs")
 
     @override
     def extra_logprob_ids(self, batch: RolloutBatch) -> Tensor | None:
@@ -73,7 +73,7 @@ class ScoreCentering(PolicyGradient):
                     weights: Tensor) -> tuple[Tensor, Metrics]:
         advantages = adv.advantages
         if batch.topk_logprobs is None or out.extra_logprobs is None:
-            raise RuntimeError("ScoreCentering: the batch has no recorded top-k (data.init_args.record_topk)")
+            raise RuntimeError("ScoreCentering: the batch has no recorded top-k (data.init_args.record.topk)")
         loss, stats = score_centered_loss(
             out.logprobs, out.extra_logprobs, batch.sampler_logprobs, batch.topk_logprobs, advantages,
             batch.loss_mask, weights, self.importance_cap, self.tail_eps,

@@ -2,7 +2,7 @@
 reverse-engineered form, docs/algorithms.md, StableReinforce): REINFORCE with Monte-Carlo score centring.
 
 At every generated position the sampler also drew ``K`` auxiliary tokens ``u_k ~ q(·|s)``, independent of the
-sampled ``a`` (``data.record_aux_draws``, K = 8). The loss per token is::
+sampled ``a`` (``data.record.aux_draws``, K = 8). The loss per token is::
 
     ℓ_t = -sg(A) [ log p(a_t|s_t) - 1/K Σ_k log p(u_k|s_t) ]
 
@@ -28,7 +28,7 @@ from rl_lightning.rollout.batch import RolloutBatch
 
 class StableReinforce(PolicyGradient):
     """REINFORCE centred by the learner's mean score at ``K`` auxiliary sampler draws (needs
-    ``data.record_aux_draws >= 1``).
+    ``data.record.aux_draws >= 1``).
 
     ``baseline`` (REINFORCE's EMA by default), ``ema_decay`` and ``loss_aggregation`` are ``PolicyGradient``'s. The
     learner's log-probs at the draws come from the same forward as the sampled tokens'
@@ -46,7 +46,7 @@ class StableReinforce(PolicyGradient):
 
     @override
     def check_datamodule(self, datamodule: Any) -> None:
-        self.require_data_setting(datamodule, "record_aux_draws", "K auxiliary draws per position")
+        self.require_data_setting(datamodule, "record.aux_draws", "K auxiliary draws per position")
 
     @override
     def extra_logprob_ids(self, batch: RolloutBatch) -> Tensor | None:
@@ -57,6 +57,6 @@ class StableReinforce(PolicyGradient):
                     weights: Tensor) -> tuple[Tensor, Metrics]:
         advantages = adv.advantages
         if batch.aux_ids is None or out.extra_logprobs is None:
-            raise RuntimeError("StableReinforce: the batch has no auxiliary draws (data.init_args.record_aux_draws)")
+            raise RuntimeError("StableReinforce: the batch has no auxiliary draws (data.init_args.record.aux_draws)")
         loss, stats = mc_centered_loss(out.logprobs, out.extra_logprobs, advantages, batch.loss_mask, weights)
         return loss, score_metrics(stats)

@@ -98,9 +98,9 @@ class TEMPO(GRPO):
         if not isinstance(strategy, BranchRollout):
             raise ValueError("TEMPO: data.init_args.strategy must be a rl_lightning.rollout.BranchRollout (it "
                              "continues saved states)")
-        if getattr(datamodule, "async_queue", 0):
-            raise ValueError("TEMPO: data.init_args.async_queue must be 0 (the store of end states is filled by the "
-                             "update and read by the next rollout)")
+        if datamodule.async_rollout.queue:
+            raise ValueError("TEMPO: data.init_args.async_rollout.queue must be 0 (the store of end states is filled "
+                             "by the update and read by the next rollout)")
         self.critic.grid_ids(self.tokenizer)  # refuse a grid the tokenizer cannot encode before anything runs
         self.episode_tokens = strategy.max_episode_tokens
 

@@ -173,12 +173,13 @@ class TRPO(RLModule):
         if self.trainer.world_size > 1:
             raise ValueError(f"TRPO runs in a single process (the CG step is not distributed), got "
                              f"world_size={self.trainer.world_size}")
-        top_p = getattr(datamodule, "top_p", 1.0)
+        top_p = datamodule.sampling.top_p
         if top_p < 1.0:
             rank_zero_warn(
-                f"TRPO with data.top_p={top_p}: the trust region is measured between the top-p-truncated "
-                "distributions, and a step that moves any token of pi_old's nucleus out of pi_new's makes the KL "
-                "infinite, so the line search rejects it; expect many rejected steps (top_p: 1.0 avoids this)"
+                f"TRPO with data.init_args.sampling.top_p={top_p}: the trust region is measured between the "
+                "top-p-truncated distributions, and a step that moves any token of pi_old's nucleus out of pi_new's "
+                "makes the KL infinite, so the line search rejects it; expect many rejected steps (top_p: 1.0 avoids "
+                "this)"
             )
 
     # ------------------------------------------------------------------ hooks

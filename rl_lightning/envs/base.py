@@ -32,7 +32,8 @@ class Task(ABC):
 
     The two held-out splits are the *test* split (``heldout_prompts``: what studies report) and the *validation*
     split (``validation_prompts``: what settings are tuned on). Neither is ever drawn by ``train_prompt``, and the
-    two share no problem (docs/environments.md#splits). The data module evaluates one of them (its ``eval_split``).
+    two share no problem (docs/environments.md#splits). The data module evaluates one of them (its
+    ``evaluation.split``).
     """
 
     @abstractmethod
@@ -46,7 +47,7 @@ class Task(ABC):
     def validation_prompts(self) -> list[Prompt]:
         """The validation split: fixed prompts, in a fixed order, apart from the training stream and from the test
         split (``heldout_prompts``); settings are chosen on it. A task without one raises ``NotImplementedError``
-        (the data module turns that into a one-line configuration error when ``eval_split="validation"``)."""
+        (the data module turns that into a one-line configuration error when ``evaluation.split="validation"``)."""
         raise NotImplementedError(f"{type(self).__name__} has no validation split")
 
     def default_reward(self) -> RewardFunction:
@@ -55,7 +56,7 @@ class Task(ABC):
 
     def needs_chat_template(self) -> bool:
         """Whether the prompts carry chat messages (``MESSAGES``) that only the chat template renders: the data
-        module then refuses ``use_chat_template: false`` in one line. Default: no."""
+        module then refuses ``prompt_format.use_chat_template: false`` in one line. Default: no."""
         return False
 
     def episode_turns(self) -> int | None:

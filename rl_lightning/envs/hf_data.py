@@ -9,7 +9,8 @@ work as they are: the defaults read ``question`` and ``answer``, and the default
 ``NumericAnswerReward`` as its fallback) takes what follows ``####``.
 
 Chat messages (a ``messages_column`` or a ``system_prompt``) are kept in the prompt's metadata (``messages``) and
-rendered by the tokenizer's chat template, so they need ``data.use_chat_template: true`` (refused otherwise).
+rendered by the tokenizer's chat template, so they need ``data.prompt_format.use_chat_template: true`` (refused
+otherwise).
 """
 
 from __future__ import annotations

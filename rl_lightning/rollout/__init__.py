@@ -11,12 +11,18 @@ from rl_lightning.rollout.filters import GroupFilter, RewardSpread
 from rl_lightning.rollout.generation import DecodeOptions, Generation, position_ids_from_mask, sample
 from rl_lightning.rollout.inputs import RolloutInputs
 from rl_lightning.rollout.prompts import PromptSampler, SequentialSampler, WeightedSampler
+from rl_lightning.rollout.settings import AsyncRollout, Evaluation, PromptFormat, Recording, Sampling
 from rl_lightning.rollout.shaping import OverlongPenalty, RewardShaper
 from rl_lightning.rollout.strategies import GroupRollout, RolloutContext, RolloutStrategy
 from rl_lightning.rollout.sync import SamplerSync
 from rl_lightning.rollout.vllm_engines import VLLMEngine, VLLMServerEngine
 
 __all__ = [
+    "AsyncRollout",
+    "Evaluation",
+    "PromptFormat",
+    "Recording",
+    "Sampling",
     "Branch",
     "BranchRollout",
     "BranchStore",

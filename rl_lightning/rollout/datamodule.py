@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Any, Callable, Iterator, Literal, get_args
+from typing import Any, Callable, Iterator
 
 import torch
 from lightning.pytorch import LightningDataModule
@@ -25,7 +25,6 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from rl_lightning.functional.errors import ConfigError
 from rl_lightning.envs.base import Prompt, RewardFunction, Task
-from rl_lightning.models.policy import DType
 from rl_lightning.rollout.async_producer import Produced, RolloutProducer
 from rl_lightning.rollout.batch import PromptBatch, RolloutBatch
 from rl_lightning.rollout.branching import Branch, BranchRollout
@@ -35,6 +34,7 @@ from rl_lightning.rollout.engines import KVCacheEngine
 from rl_lightning.rollout.filters import GroupFilter, group_rows
 from rl_lightning.rollout.inputs import DeclaresRolloutInputs, RolloutInputs
 from rl_lightning.rollout.prompts import PromptSampler, SequentialSampler, WeightedSampler
+from rl_lightning.rollout.settings import AsyncRollout, Evaluation, PromptFormat, Recording, Sampling
 from rl_lightning.rollout.shaping import RewardShaper
 from rl_lightning.rollout.strategies import GroupRollout, RolloutContext, RolloutStrategy
 from rl_lightning.rollout.sync import SamplerSync
@@ -72,23 +72,13 @@ class RolloutDataModule(LightningDataModule):
         task: where prompts, held-out prompts and the default verifier come from.
         prompts_per_step: prompts per training step over all devices (must divide by the world size).
         group_size: responses sampled per prompt (``G``).
-        max_new_tokens: generation limit; a response without EOS by then is marked ``truncated``.
-        temperature: sampling temperature (> 0).
-        top_p: nucleus sampling mass in ``(0, 1]``.
-        sampler_sync_interval: 1 samples with the current policy; ``k > 1`` samples with a copy of the policy
-            refreshed every ``k`` steps, so sampler and learner really differ in between.
-        sampler_dtype: sample with a copy of the policy in this dtype (``bfloat16``: an inference engine's
-            precision against an fp32 learner), refreshed every ``sampler_sync_interval`` steps (every step at 1);
-            ``None`` samples in the policy's own dtype. Combines with the lag. ``train/sampler_logp_diff``
-            measures the mismatch each setting produces (docs/algorithms.md, "Sampler/learner mismatch").
+        sampling: how training rollouts are sampled (``Sampling``: ``max_new_tokens``, ``temperature``, ``top_p``,
+            and the sampler's weights: ``sync_interval``, ``dtype``); held-out evaluation uses the same
+            ``max_new_tokens``, greedily.
         reward_fn: reward function; ``None`` uses the task's verifier (exact match by default).
-        val_batch_size: held-out prompts per greedy validation batch (per device).
-        num_val_prompts: use only the first ``num_val_prompts`` held-out prompts (``None``: all).
-        eval_split: the held-out split that ``val/reward`` is measured on: ``"test"`` (the task's
-            ``heldout_prompts``, what studies report) or ``"validation"`` (its ``validation_prompts``, what
-            settings are tuned on; a task without one is refused). docs/environments.md#splits.
-        add_bos: prepend the tokenizer's BOS token to every prompt (when it has one).
-        use_chat_template: wrap each prompt as a user message with the tokenizer's chat template.
+        evaluation: greedy held-out evaluation (``Evaluation``: ``batch_size``, ``num_prompts``, ``split``: the
+            ``test`` split studies report or the ``validation`` split settings are tuned on).
+        prompt_format: how prompts are encoded (``PromptFormat``: ``add_bos``, ``use_chat_template``).
         seed: seeds sampling; step ``k`` on rank ``r`` draws from a generator seeded by ``(seed, r, k)``.
         engine: the sampling engine (``None``: ``KVCacheEngine``, the library's KV-cache loop;
             ``HFGenerateEngine`` uses Hugging Face ``generate`` as a reference). Its declared capabilities are
@@ -99,18 +89,10 @@ class RolloutDataModule(LightningDataModule):
         prompt_sampler: which stream indices a step draws (``None``: ``SequentialSampler()``, the seeded stream in
             order; ``WeightedSampler`` draws from a pool by weights a method sets). See
             ``rl_lightning.rollout.prompts``.
-        record_topk: record, per generated position of training rollouts, the sampling distribution's top-k ids
-            and their full-vocabulary log-probs (``RolloutBatch.topk_ids`` / ``topk_logprobs``; Score Centering).
-            A method that needs them raises it in ``check_datamodule``.
-        record_aux_draws: record K extra draws per position from the sampling distribution, independent of the
-            sampled token (``RolloutBatch.aux_ids``; StableReinforce). The sampled tokens do not change.
-        async_queue: 0 generates each training batch when the learner needs it; ``k >= 1`` runs a background
-            producer (``rollout.async_producer.RolloutProducer``, SAO's asynchronous sampling) that generates with
-            its own copy of the policy up to ``k`` batches ahead while the learner updates; the copy takes the
-            learner's newest weights before each batch. Needs ``sampler_sync_interval: 1`` (the producer's copy is
-            the lag). Not bit-reproducible (thread timing decides which weights draw which batch).
-        max_staleness: with ``async_queue``, the learner never consumes a batch drawn more than this many policy
-            versions (updates) ago; older ones are dropped (``dropped_batches``).
+        record: what the sampler records beside the sampled tokens (``Recording``: ``topk`` ids and log-probs for
+            Score Centering, ``aux_draws`` for StableReinforce).
+        async_rollout: a background producer of training batches (``AsyncRollout``: ``queue``, ``max_staleness``;
+            SAO's asynchronous sampling); ``queue: 0`` (the default) generates each batch when the learner needs it.
         group_filter: dynamic sampling (``rollout.filters``; DAPO's with ``RewardSpread``): a training step keeps
             the prompt groups this filter accepts and draws the prompt stream's next prompts for more, up to
             ``max_rounds`` rollouts in all, until every rank holds ``prompts_per_step / W`` accepted groups; each
@@ -130,61 +112,36 @@ class RolloutDataModule(LightningDataModule):
         task: Task,
         prompts_per_step: int = 16,
         group_size: int = 8,
-        max_new_tokens: int = 8,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        sampler_sync_interval: int = 1,
-        sampler_dtype: DType | None = None,
+        sampling: Sampling = Sampling(),
         reward_fn: RewardFunction | None = None,
-        val_batch_size: int = 256,
-        num_val_prompts: int | None = None,
-        eval_split: Literal["test", "validation"] = "test",
-        add_bos: bool = True,
-        use_chat_template: bool = False,
+        evaluation: Evaluation = Evaluation(),
+        prompt_format: PromptFormat = PromptFormat(),
         seed: int = 0,
         engine: RolloutEngine | None = None,
         strategy: RolloutStrategy | None = None,
         prompt_sampler: PromptSampler | None = None,
-        record_topk: int = 0,
-        record_aux_draws: int = 0,
-        async_queue: int = 0,
-        max_staleness: int = 2,
+        record: Recording = Recording(),
+        async_rollout: AsyncRollout = AsyncRollout(),
         group_filter: GroupFilter | None = None,
         max_rounds: int = 1,
         reward_shapers: list[RewardShaper] | None = None,
     ) -> None:
         super().__init__()
-        checks = {
-            "prompts_per_step": prompts_per_step >= 1, "group_size": group_size >= 1,
-            "max_new_tokens": max_new_tokens >= 1, "temperature": temperature > 0,
-            "top_p": 0 < top_p <= 1, "sampler_sync_interval": sampler_sync_interval >= 1,
-            "val_batch_size": val_batch_size >= 1, "num_val_prompts": num_val_prompts is None or num_val_prompts >= 0,
-            "eval_split": eval_split in ("test", "validation"),
-            "record_topk": record_topk >= 0, "record_aux_draws": record_aux_draws >= 0,
-            "sampler_dtype": sampler_dtype is None or sampler_dtype in get_args(DType),
-            "async_queue": async_queue >= 0, "max_staleness": max_staleness >= 0, "max_rounds": max_rounds >= 1,
-        }
+        checks = {"prompts_per_step": prompts_per_step >= 1, "group_size": group_size >= 1,
+                  "max_rounds": max_rounds >= 1}
         for name, ok in checks.items():
             if not ok:
-                raise ValueError(f"RolloutDataModule: invalid {name}={locals()[name]!r}")
+                raise ValueError(f"RolloutDataModule: invalid data.init_args.{name}={locals()[name]!r}")
         self.task = task
         self.prompts_per_step = prompts_per_step
         self.group_size = group_size
-        self.max_new_tokens = max_new_tokens
-        self.temperature = temperature
-        self.top_p = top_p
-        self.sampler_sync_interval = sampler_sync_interval
-        self.sampler_dtype = sampler_dtype
+        self.sampling, self.evaluation, self.prompt_format = sampling, evaluation, prompt_format
+        self.record, self.async_rollout = record, async_rollout
         self.reward_fn = reward_fn if reward_fn is not None else task.default_reward()
-        self.val_batch_size = val_batch_size
-        self.num_val_prompts = num_val_prompts
-        self.eval_split = eval_split
-        self.add_bos = add_bos
-        self.use_chat_template = use_chat_template
-        if task.needs_chat_template() and not use_chat_template:
-            raise ConfigError(f"data.init_args.use_chat_template=false, but {type(task).__name__}'s prompts are chat "
-                              f"messages (a system prompt or a messages column) that only the chat template renders: "
-                              f"set data.init_args.use_chat_template true")
+        if task.needs_chat_template() and not prompt_format.use_chat_template:
+            raise ConfigError(f"data.init_args.prompt_format.use_chat_template=false, but {type(task).__name__}'s "
+                              f"prompts are chat messages (a system prompt or a messages column) that only the chat "
+                              f"template renders: set data.init_args.prompt_format.use_chat_template true")
         self.seed = seed
         self.engine = engine if engine is not None else KVCacheEngine()
         self.strategy = strategy if strategy is not None else GroupRollout()
@@ -194,15 +151,13 @@ class RolloutDataModule(LightningDataModule):
                              f"data.init_args.strategy.init_args.n={owned} ({type(self.strategy).__name__}'s rows per "
                              "branch, the batch's group size); set them equal")
         self.prompt_sampler = prompt_sampler if prompt_sampler is not None else SequentialSampler()
-        self.record_topk = record_topk
-        self.record_aux_draws = record_aux_draws
-        if async_queue and sampler_sync_interval != 1:
-            raise ValueError(f"RolloutDataModule: async_queue={async_queue} needs sampler_sync_interval=1 (the "
-                             f"producer's copy of the policy is the lag), got {sampler_sync_interval}")
-        self.async_queue, self.max_staleness = async_queue, max_staleness
-        if group_filter is not None and async_queue:
-            raise ValueError("RolloutDataModule: group_filter (dynamic sampling) is not supported with async_queue; "
-                             "set one of them")
+        if async_rollout.queue and sampling.sync_interval != 1:
+            raise ValueError(f"RolloutDataModule: data.init_args.async_rollout.queue={async_rollout.queue} needs "
+                             f"data.init_args.sampling.sync_interval=1 (the producer's copy of the policy is the lag), "
+                             f"got {sampling.sync_interval}")
+        if group_filter is not None and async_rollout.queue:
+            raise ValueError("RolloutDataModule: group_filter (dynamic sampling) is not supported with "
+                             "async_rollout.queue; set one of them")
         self.group_filter, self.max_rounds = group_filter, max_rounds
         self.extra_draws = 0  # prompt draws beyond one per step so far (dynamic sampling's refills)
         self._extra_draws_at_step = 0  # ... when the current step's rollout began (what a mid-step checkpoint saves)
@@ -211,7 +166,8 @@ class RolloutDataModule(LightningDataModule):
         self.reward_shapers = list(reward_shapers or [])
         for shaper in self.reward_shapers:
             shaper.bind(self)
-        self.sync = SamplerSync(self.engine, sampler_sync_interval, sampler_dtype, asynchronous=async_queue > 0)
+        self.sync = SamplerSync(self.engine, sampling.sync_interval, sampling.dtype,
+                                asynchronous=async_rollout.queue > 0)
         self._producer: RolloutProducer | None = None
         self._pending_producer: dict[str, Any] | None = None
         self.cursor = 0  # training steps drawn so far (the stream position)
@@ -228,15 +184,15 @@ class RolloutDataModule(LightningDataModule):
         engine's capabilities are checked against this configuration here."""
         check_capabilities(self.engine, self.needs())
         self._policy = policy
-        self._encoder = PromptEncoder(tokenizer, self.add_bos, self.use_chat_template)
+        self._encoder = PromptEncoder(tokenizer, self.prompt_format.add_bos, self.prompt_format.use_chat_template)
 
     def needs(self) -> dict[str, str]:
         """The engine capabilities this configuration needs, each with the setting that asks for it."""
         needs = dict(self.strategy.needs())
-        if self.record_topk:
-            needs[TOPK] = f"record_topk={self.record_topk}"
-        if self.record_aux_draws:
-            needs[AUX_DRAWS] = f"record_aux_draws={self.record_aux_draws}"
+        if self.record.topk:
+            needs[TOPK] = f"record.topk={self.record.topk}"
+        if self.record.aux_draws:
+            needs[AUX_DRAWS] = f"record.aux_draws={self.record.aux_draws}"
         return needs
 
     def take_inputs(self, inputs: RolloutInputs, owner: str = "the method") -> None:
@@ -303,27 +259,25 @@ class RolloutDataModule(LightningDataModule):
         return PromptBatch("train", step, indices, [self.task.train_prompt(i) for i in indices])
 
     def heldout_prompts(self) -> list[Prompt]:
-        """The evaluated prompts: the task's ``eval_split`` (its first ``num_val_prompts`` when set)."""
-        if self.eval_split == "test":
+        """The evaluated prompts: the task's ``evaluation.split`` (its first ``evaluation.num_prompts`` when set)."""
+        if self.evaluation.split == "test":
             prompts = self.task.heldout_prompts()
         else:
             try:
                 prompts = self.task.validation_prompts()
             except NotImplementedError as err:
-                raise ValueError(f"data.init_args.eval_split='validation': {err} "
+                raise ValueError(f"data.init_args.evaluation.split='validation': {err} "
                                  "(docs/environments.md#splits)") from None
-        return prompts if self.num_val_prompts is None else prompts[: self.num_val_prompts]
+        limit = self.evaluation.num_prompts
+        return prompts if limit is None else prompts[:limit]
 
     def val_prompt_batches(self) -> list[PromptBatch]:
-        """This rank's share of the held-out prompts, in batches of ``val_batch_size``."""
+        """This rank's share of the held-out prompts, in batches of ``evaluation.batch_size``."""
         rank, world = self._world()
-        prompts = self.heldout_prompts()
+        prompts, size = self.heldout_prompts(), self.evaluation.batch_size
         mine = list(range(rank, len(prompts), world))
-        return [
-            PromptBatch("val", -1, mine[k:k + self.val_batch_size],
-                        [prompts[i] for i in mine[k:k + self.val_batch_size]])
-            for k in range(0, len(mine), self.val_batch_size)
-        ]
+        return [PromptBatch("val", -1, mine[k:k + size], [prompts[i] for i in mine[k:k + size]])
+                for k in range(0, len(mine), size)]
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(_TrainStream(self), batch_size=None, num_workers=0)
@@ -352,14 +306,15 @@ class RolloutDataModule(LightningDataModule):
         ``(seed, rank, step)``, so an asynchronous batch is the synchronous batch of its step, and every rank
         resumes its own stream with no state to checkpoint; a held-out batch greedy."""
         tok = self.tokenizer
-        common = dict(max_tokens=self.max_new_tokens, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                      temperature=self.temperature, top_p=self.top_p)
+        s = self.sampling
+        common = dict(max_tokens=s.max_new_tokens, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                      temperature=s.temperature, top_p=s.top_p)
         if batch.split != "train":
             return SamplingParams(**common, greedy=True)
         rank, _ = self._world()
         seed = (self.seed * 1_000_003 + rank) * 1_000_033 + batch.step
-        return SamplingParams(**common, seed=seed, topk=self.record_topk, aux_draws=self.record_aux_draws,
-                              aux_seed=seed * 31 + 7 if self.record_aux_draws else None)
+        return SamplingParams(**common, seed=seed, topk=self.record.topk, aux_draws=self.record.aux_draws,
+                              aux_seed=seed * 31 + 7 if self.record.aux_draws else None)
 
     def context(self, engine: RolloutEngine, batch: PromptBatch, device: torch.device) -> RolloutContext:
         """What the strategy makes ``batch``'s rollout with; a new rollout starts, so ``failed_rollout`` is
@@ -374,7 +329,7 @@ class RolloutDataModule(LightningDataModule):
 
     def sampler(self) -> nn.Module | None:
         """The model that generates this step: the policy, or its copy (lagged: refreshed every
-        ``sampler_sync_interval`` steps; in ``sampler_dtype``); ``None`` for an engine without a module."""
+        ``sampling.sync_interval`` steps; in ``sampling.dtype``); ``None`` for an engine without a module."""
         return self.sync.model(self._learner()[0], self.cursor)
 
     def sample(self, prompts: list[Prompt], n: int) -> RolloutBatch:
@@ -401,7 +356,7 @@ class RolloutDataModule(LightningDataModule):
         if train and self._injected:
             self.cursor += 1
             return self._counted(self._injected.pop(0).to(device))
-        if train and self.async_queue:  # perf/rollout_time: how long the learner waited for it (0: none)
+        if train and self.async_rollout.queue:  # perf/rollout_time: how long the learner waited for it (0: none)
             self.cursor += 1
             start = time.perf_counter()
             produced = self._take_produced().batch.to(device)
@@ -494,7 +449,8 @@ class RolloutDataModule(LightningDataModule):
         if self._producer is None:
             pending, self._pending_producer = self._pending_producer, None
             self.sync.start(policy, version)
-            self._producer = RolloutProducer(self._generate, self.sync, self.async_queue, self.max_staleness,
+            self._producer = RolloutProducer(self._generate, self.sync, self.async_rollout.queue,
+                                             self.async_rollout.max_staleness,
                                              start_step=0 if pending else self.cursor - 1)
             if pending is not None:
                 self._producer.load_state_dict(pending, next(policy.parameters()).device)
@@ -504,7 +460,7 @@ class RolloutDataModule(LightningDataModule):
 
     @property
     def dropped_batches(self) -> int:
-        """Asynchronous batches dropped as older than ``max_staleness`` (0 without ``async_queue``)."""
+        """Asynchronous batches dropped as older than ``async_rollout.max_staleness`` (0 without a producer)."""
         return 0 if self._producer is None else self._producer.dropped
 
     def teardown(self, stage: str) -> None:
@@ -526,17 +482,17 @@ class RolloutDataModule(LightningDataModule):
         continuations of each (``BranchRollout.continue_from``: each branch's own horizon and token budget), the
         policy in eval mode, no gradient. The weights are the learner's current ones (``SamplerSync.current``, as
         held-out rollouts: for an engine outside the process that loads them into it), or with ``sampler`` those
-        the last training rollout sampled with (a lagged or low-precision copy; not with ``async_queue``). The
-        strategy's turn settings are the training strategy's (``max_turns``, ``max_turn_tokens``,
-        ``max_episode_tokens``, ``stop_strings``, ``env_errors``); sampling is this module's ``temperature`` and
-        ``top_p`` (``greedy``: the argmax), seeded by ``seed`` (default: from the data seed, the rank and the
+        the last training rollout sampled with (a lagged or low-precision copy; not with an ``async_rollout``
+        queue). The strategy's turn settings are the training strategy's (``max_turns``, ``max_turn_tokens``,
+        ``max_episode_tokens``, ``stop_strings``, ``env_errors``); sampling is this module's ``sampling`` settings
+        (``greedy``: the argmax), seeded by ``seed`` (default: from the data seed, the rank and the
         stream step), so the same call draws the same rows. The prompt stream does not move. A ``RolloutBatch``
         of ``len(branches) * n`` rows (``group_size = n``), on the policy's device."""
         if not branches:
             raise ValueError("RolloutDataModule.rollout_branches: no branches")
-        if sampler and self.async_queue:
-            raise ValueError("RolloutDataModule.rollout_branches: sampler=True needs async_queue=0 (the producer's "
-                             "weights move on while the learner trains)")
+        if sampler and self.async_rollout.queue:
+            raise ValueError("RolloutDataModule.rollout_branches: sampler=True needs async_rollout.queue=0 (the "
+                             "producer's weights move on while the learner trains)")
         policy, encoder = self._learner()
         device = next(policy.parameters()).device
         plan = self.strategy if isinstance(self.strategy, GroupRollout) else GroupRollout()
@@ -546,9 +502,9 @@ class RolloutDataModule(LightningDataModule):
         rank, _ = self._world()
         seed = ((self.seed * 1_000_003 + rank) * 1_000_033 + self.cursor) * 7 + 5 if seed is None else seed
         tok = encoder.tokenizer
-        params = SamplingParams(max_tokens=self.max_new_tokens, eos_token_id=tok.eos_token_id,
-                                pad_token_id=tok.pad_token_id, temperature=self.temperature, top_p=self.top_p,
-                                greedy=greedy, seed=None if greedy else seed)
+        params = SamplingParams(max_tokens=self.sampling.max_new_tokens, eos_token_id=tok.eos_token_id,
+                                pad_token_id=tok.pad_token_id, temperature=self.sampling.temperature,
+                                top_p=self.sampling.top_p, greedy=greedy, seed=None if greedy else seed)
         engine = (self.sync.for_step(policy, max(self.cursor - 1, 0)) if sampler
                   else self.sync.current(policy, self._version()))
         ctx = RolloutContext(encoder, engine, self.task, self.reward_fn, params, n, self.seed, device)

@@ -49,10 +49,10 @@ class OverlongPenalty(RewardShaper):
 
     def bind(self, datamodule: Any) -> None:
         if self.max_tokens is None:
-            self.max_tokens = int(datamodule.max_new_tokens)
+            self.max_tokens = int(datamodule.sampling.max_new_tokens)
         if self.cache_tokens > self.max_tokens:
             raise ValueError(f"OverlongPenalty: cache_tokens={self.cache_tokens} exceeds max_tokens={self.max_tokens} "
-                             "(data.init_args.max_new_tokens)")
+                             "(data.init_args.sampling.max_new_tokens)")
 
     def term(self, batch: RolloutBatch) -> Tensor:
         assert self.max_tokens is not None, "OverlongPenalty.bind was not called"

@@ -5,8 +5,8 @@ dtype, and their version (the learner updates they had seen).
   policy itself (``ModuleEngine.bound``); every rollout sees the current weights and nothing is copied.
 * Otherwise the engine holds weights of its own (``RolloutEngine.setup``: for the in-process engines a copy of
   the policy in ``dtype``), made at the first training rollout, and takes the learner's (``load_weights``) once
-  ``interval`` steps have passed since it last did: a lagged sampler (``sampler_sync_interval``) or a
-  low-precision one (``sampler_dtype``). A checkpoint keeps those weights, so a resumed run samples as the
+  ``interval`` steps have passed since it last did: a lagged sampler (``sampling.sync_interval``) or a
+  low-precision one (``sampling.dtype``). A checkpoint keeps those weights, so a resumed run samples as the
   straight one.
 * Asynchronous rollouts (``publish`` / ``refresh``): the learner publishes a snapshot of its weights whenever it
   takes a batch; the producer's thread loads the newest before each generation.

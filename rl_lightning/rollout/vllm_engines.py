@@ -153,7 +153,7 @@ class VLLMEngine(_VLLMBase):
     """vLLM's offline ``LLM`` in the training process (colocated; see the module docstring).
 
     Args:
-        max_logprobs: the most top-k log-probs a request may ask for (``data.record_topk``).
+        max_logprobs: the most top-k log-probs a request may ask for (``data.record.topk``).
         max_model_len: the longest sequence (``None``: the model's ``max_position_embeddings``).
         seed: vLLM's own seed (unseeded requests; training batches are seeded per prompt).
         kv_cache_gib: memory for vLLM's KV cache, GiB (on CPU ``VLLM_CPU_KVCACHE_SPACE``; on a GPU it is turned
@@ -241,7 +241,7 @@ class VLLMServerEngine(_VLLMBase):
     ``python``: the interpreter of a venv that has vLLM (default ``.venv-vllm/bin/python`` where it exists, else
     this one; vLLM's pins may conflict with the trainer's, so it can live in a venv of its own). It waits until
     ``/health`` answers. Requests go out concurrently (``concurrency`` at a time, one per prompt, so the server
-    batches them while the caller waits, or while the learner updates under ``data.async_queue``) to
+    batches them while the caller waits, or while the learner updates under ``data.async_rollout``) to
     ``/v1/completions`` with token ids in and out.
 
     Weight sync: ``load_weights`` writes the state dict as safetensors to a directory under the engine's temporary

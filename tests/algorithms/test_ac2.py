@@ -17,7 +17,7 @@ from rl_lightning.algorithms.readiness import AuditItem, CriticReadiness
 from rl_lightning.callbacks import FullRolloutAudit
 from rl_lightning.envs import ArithmeticTask
 from rl_lightning.functional import nearest_bin
-from rl_lightning.rollout import BranchRollout, RolloutDataModule
+from rl_lightning.rollout import BranchRollout, RolloutDataModule, Sampling
 from tests.rollout.rollout_helpers import fake_trainer
 
 
@@ -46,7 +46,7 @@ def setup() -> tuple[AC2, RolloutDataModule]:
     torch.manual_seed(0)
     module = AC2(model_name_or_path="embedded:arithmetic_hard", chunk_tokens=2, replay=4)
     dm = RolloutDataModule(task=ArithmeticTask(num_digits=3, num_heldout=8), prompts_per_step=4, group_size=4,
-                           max_new_tokens=6, strategy=BranchRollout(n=4, max_turns=1), seed=0)
+                           strategy=BranchRollout(n=4, max_turns=1), seed=0, sampling=Sampling(max_new_tokens=6))
     trainer = fake_trainer(module)
     trainer.datamodule, trainer.global_step = dm, 0
     dm.trainer, module._trainer = trainer, trainer

@@ -12,13 +12,13 @@ import torch
 from rl_lightning.algorithms import Advantages, CoPE, GRPO
 from rl_lightning.envs import GuessNumberTask
 from rl_lightning.functional import forecast_pairs
-from rl_lightning.rollout import GroupRollout, RolloutBatch, RolloutDataModule
+from rl_lightning.rollout import Evaluation, GroupRollout, RolloutBatch, RolloutDataModule, Sampling
 from tests.conftest import REPO, tiny_datamodule, tiny_trainer
 from tests.rollout.rollout_helpers import FP32_UNIT_ROUNDOFF as U
 from tests.rollout.rollout_helpers import fake_trainer, model_logprob_tolerance
 
-GUESS = dict(task=GuessNumberTask(), prompts_per_step=4, group_size=4, max_new_tokens=3,
-             strategy=GroupRollout(max_turns=5, max_episode_tokens=32), val_batch_size=31, seed=0)
+GUESS = dict(task=GuessNumberTask(), prompts_per_step=4, group_size=4, sampling=Sampling(max_new_tokens=3),
+             strategy=GroupRollout(max_turns=5, max_episode_tokens=32), evaluation=Evaluation(batch_size=31), seed=0)
 
 
 def make(cls: type = CoPE, **kwargs) -> GRPO:

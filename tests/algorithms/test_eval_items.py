@@ -1,5 +1,5 @@
 """Per-item outcomes of the held-out evaluation (``HeldoutEvaluation.items``, ``eval_items.csv``) and the
-validation split (``RolloutDataModule(eval_split=...)``)."""
+validation split (``RolloutDataModule(evaluation=Evaluation(split=...))``)."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def test_every_evaluation_logs_each_items_reward_in_heldout_order(tmp_path):
 
 def test_validation_split_is_evaluated_when_asked(tmp_path):
     task = ArithmeticTask(num_heldout=16, num_validation=12)
-    module, dm, path = _fit(tmp_path, steps=1, task=task, eval_split="validation")
+    module, dm, path = _fit(tmp_path, steps=1, task=task, split="validation")
     rows = _items(path)
     assert sorted(rows) == [0, 1]
     for step, items in rows.items():
@@ -67,13 +67,13 @@ def test_validation_split_is_evaluated_when_asked(tmp_path):
 
 
 def test_a_task_without_a_validation_split_is_refused_in_one_line():
-    dm = tiny_datamodule(task=GuessNumberTask(), eval_split="validation")
-    with pytest.raises(ValueError, match=r"^data.init_args.eval_split='validation': GuessNumberTask has no "
+    dm = tiny_datamodule(task=GuessNumberTask(), split="validation")
+    with pytest.raises(ValueError, match=r"^data.init_args.evaluation.split='validation': GuessNumberTask has no "
                                          r"validation split") as err:
         dm.heldout_prompts()
     assert "\n" not in str(err.value)
-    with pytest.raises(ValueError, match="eval_split"):
-        tiny_datamodule(eval_split="train")
+    with pytest.raises(ValueError, match="evaluation.split"):
+        tiny_datamodule(split="train")
 
 
 def test_items_survive_a_checkpoint_and_the_file_holds_only_the_resumed_runs_evaluations(tmp_path):

@@ -316,7 +316,7 @@ def test_trains_with_a_lagged_sampler_and_the_gate_bites(tmp_path, recorder):
     module = FlashREINFORCE(model_name_or_path="embedded:arithmetic", delta=1e-3,
                             optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4))
     before = {k: v.clone() for k, v in module.policy.state_dict().items()}
-    dm = tiny_datamodule(prompts_per_step=16, group_size=1, sampler_sync_interval=2, temperature=1.5,
+    dm = tiny_datamodule(prompts_per_step=16, group_size=1, sync_interval=2, temperature=1.5,
                          reward_fn=GradedMatch())
     tiny_trainer(tmp_path, max_steps=3, callbacks=[recorder]).fit(module, datamodule=dm)
     assert any(not torch.equal(before[k], v) for k, v in module.policy.state_dict().items())

@@ -112,7 +112,7 @@ def test_kl_reference_is_only_created_when_beta_is_positive(tmp_path, recorder):
 def test_lagged_sampler_makes_the_mismatch_real(tmp_path, recorder):
     module = GRPO(model_name_or_path="embedded:arithmetic", optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
     tiny_trainer(tmp_path, max_steps=3, callbacks=[recorder]).fit(
-        module, datamodule=tiny_datamodule(sampler_sync_interval=2)
+        module, datamodule=tiny_datamodule(sync_interval=2)
     )
     diffs = [m["train/sampler_logp_diff"] for m in recorder.metrics]
     delta = decoder_logprob_bound(module.policy, 1.0, module.policy.config.max_position_embeddings)  # float32 rounding
@@ -151,8 +151,8 @@ def test_several_iterations_and_minibatches_count_one_step_per_rollout(tmp_path,
 
 def test_dr_grpo_config_is_grpo_without_the_std_and_length_normalisers(tmp_path):
     """configs/dr_grpo.yaml (Liu et al. 2025, arXiv 2503.20783): A = R - mean over the group (no std division) and
-    every token weighs 1/(N L) with L = loss_norm_length = data.max_new_tokens. Negative control: the shipped GRPO
-    divides by the std (advantages +-1 on this group) and weighs a 1-token response's token 1/N."""
+    every token weighs 1/(N L) with L = loss_norm_length = data.sampling.max_new_tokens. Negative control: the
+    shipped GRPO divides by the std (advantages +-1 on this group) and weighs a 1-token response's token 1/N."""
     from pathlib import Path
     from types import SimpleNamespace
 
@@ -162,7 +162,7 @@ def test_dr_grpo_config_is_grpo_without_the_std_and_length_normalisers(tmp_path)
     cli = build_cli(["--config", str(repo / "configs" / "dr_grpo.yaml"), f"--trainer.default_root_dir={tmp_path}"],
                     run=False)
     module, data = cli.model, cli.datamodule
-    assert type(module) is GRPO and module.loss_norm_length == data.max_new_tokens == 6
+    assert type(module) is GRPO and module.loss_norm_length == data.sampling.max_new_tokens == 6
     rewards = SimpleNamespace(rewards=torch.tensor([1.0, 0.0, 0.0, 0.0]), group_size=4)
     torch.testing.assert_close(module.compute_advantages(rewards), torch.tensor([0.75, -0.25, -0.25, -0.25]))
     grpo = GRPO(model_name_or_path="embedded:arithmetic")

@@ -17,12 +17,12 @@ from rl_lightning.algorithms.hindsight import (
 )
 from rl_lightning.envs import GuessNumberTask
 from rl_lightning.functional import group_advantages, turn_mask_from_index
-from rl_lightning.rollout import GroupRollout, RolloutBatch, RolloutDataModule
+from rl_lightning.rollout import Evaluation, GroupRollout, RolloutBatch, RolloutDataModule, Sampling
 from tests.conftest import tiny_datamodule
 from tests.rollout.rollout_helpers import fake_trainer
 
-GUESS = dict(task=GuessNumberTask(), prompts_per_step=4, group_size=4, max_new_tokens=3,
-             strategy=GroupRollout(max_turns=5, max_episode_tokens=32), val_batch_size=31, seed=0)
+GUESS = dict(task=GuessNumberTask(), prompts_per_step=4, group_size=4, sampling=Sampling(max_new_tokens=3),
+             strategy=GroupRollout(max_turns=5, max_episode_tokens=32), evaluation=Evaluation(batch_size=31), seed=0)
 
 
 class TableCritic(HindsightCritic):

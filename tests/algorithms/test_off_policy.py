@@ -15,7 +15,7 @@ import torch
 
 from rl_lightning.algorithms import GRPO, REINFORCE, Advantages, FlashREINFORCE, ScoreCentering, StableReinforce
 from rl_lightning.envs import ArithmeticTask
-from rl_lightning.rollout import RolloutBatch, RolloutDataModule
+from rl_lightning.rollout import Recording, RolloutBatch, RolloutDataModule, Sampling
 from rl_lightning.rollout.generation import position_ids_from_mask
 from rl_lightning.models.policy import tiny_llama_config
 from tests.rollout.rollout_helpers import fake_trainer
@@ -28,8 +28,8 @@ GRAD_RTOL = float(decoder_gradient_tolerance(tiny_llama_config(64), 64, 16 * 64,
 
 
 def _rollout(module, seed: int = 0, **data) -> RolloutBatch:
-    dm = RolloutDataModule(task=ArithmeticTask(num_heldout=4), prompts_per_step=4, group_size=4, max_new_tokens=4,
-                           seed=seed, **data)
+    dm = RolloutDataModule(task=ArithmeticTask(num_heldout=4), prompts_per_step=4, group_size=4, seed=seed,
+                           sampling=Sampling(max_new_tokens=4), record=Recording(**data))
     dm.trainer = fake_trainer(module)
     return dm.rollout(dm.prompt_batch(0))
 
@@ -71,7 +71,7 @@ def test_score_centering_with_a_full_vocabulary_head_is_the_exact_centred_gradie
     torch.manual_seed(0)
     module = ScoreCentering(model_name_or_path="embedded:random", baseline="batch_mean")
     vocab = module.policy.config.vocab_size
-    batch = _rollout(module, record_topk=vocab)
+    batch = _rollout(module, topk=vocab)
     _stale(module)
     grad, adv, w = _module_grad(module, batch)
     module.policy.zero_grad()
@@ -94,7 +94,7 @@ def test_score_centering_with_a_full_vocabulary_head_is_the_exact_centred_gradie
 def test_score_centering_with_a_small_head_uses_the_tail_ratio():
     torch.manual_seed(0)
     module = ScoreCentering(model_name_or_path="embedded:random", baseline="batch_mean", importance_cap=2.0)
-    batch = _rollout(module, record_topk=3)
+    batch = _rollout(module, topk=3)
     _stale(module)
     grad, adv, w = _module_grad(module, batch)
     module.policy.zero_grad()
@@ -114,7 +114,7 @@ def test_score_centering_with_a_small_head_uses_the_tail_ratio():
 def test_stable_reinforce_gradient_is_the_monte_carlo_centred_formula():
     torch.manual_seed(0)
     module = StableReinforce(model_name_or_path="embedded:random", baseline="batch_mean")
-    batch = _rollout(module, record_aux_draws=8)
+    batch = _rollout(module, aux_draws=8)
     _stale(module)
     grad, adv, w = _module_grad(module, batch)
     module.policy.zero_grad()
@@ -129,7 +129,7 @@ def test_stable_reinforce_gradient_is_the_monte_carlo_centred_formula():
 def test_the_learner_logprobs_at_recorded_ids_come_from_the_same_forward():
     torch.manual_seed(0)
     module = ScoreCentering(model_name_or_path="embedded:random")
-    batch = _rollout(module, record_topk=4)
+    batch = _rollout(module, topk=4)
     with torch.no_grad():
         out = module.forward_policy(batch, extra_ids=batch.topk_ids)
         want = _full_logp(module, batch).gather(-1, batch.topk_ids)
@@ -141,12 +141,12 @@ def test_the_learner_logprobs_at_recorded_ids_come_from_the_same_forward():
     assert (out.extra_logprobs[~m] == 0).all()
 
 
-@pytest.mark.parametrize("cls, setting", [(ScoreCentering, "record_topk"), (StableReinforce, "record_aux_draws")])
+@pytest.mark.parametrize("cls, setting", [(ScoreCentering, "record.topk"), (StableReinforce, "record.aux_draws")])
 def test_a_method_refuses_data_without_what_it_reads(cls, setting):
     module = cls(model_name_or_path="embedded:random")
     with pytest.raises(ValueError, match=f"data.init_args.{setting} >= 1"):
-        module.check_datamodule(SimpleNamespace(record_topk=0, record_aux_draws=0))
-    module.check_datamodule(SimpleNamespace(record_topk=8, record_aux_draws=8))
+        module.check_datamodule(SimpleNamespace(record=Recording(topk=0, aux_draws=0)))
+    module.check_datamodule(SimpleNamespace(record=Recording(topk=8, aux_draws=8)))
 
 
 @pytest.mark.parametrize("cls", [ScoreCentering, StableReinforce, FlashREINFORCE])
@@ -220,7 +220,7 @@ def test_a_bf16_sampler_is_a_copy_refreshed_on_its_interval():
     module = GRPO(model_name_or_path="embedded:random")
     for interval in (1, 3):
         dm = RolloutDataModule(task=ArithmeticTask(num_heldout=4), prompts_per_step=4, group_size=4,
-                               max_new_tokens=4, sampler_sync_interval=interval, sampler_dtype="bfloat16")
+                               sampling=Sampling(max_new_tokens=4, sync_interval=interval, dtype="bfloat16"))
         dm.trainer = fake_trainer(module)
         first = dm.rollout(dm.prompt_batch(0))
         sampler = dm.sampler()
@@ -238,10 +238,10 @@ def test_a_bf16_sampler_is_a_copy_refreshed_on_its_interval():
         assert refreshed == (interval == 1)
         state = dm.state_dict()
         again = RolloutDataModule(task=ArithmeticTask(num_heldout=4), prompts_per_step=4, group_size=4,
-                                  max_new_tokens=4, sampler_sync_interval=interval, sampler_dtype="bfloat16")
+                                  sampling=Sampling(max_new_tokens=4, sync_interval=interval, dtype="bfloat16"))
         again.trainer = fake_trainer(module)
         again.load_state_dict(state)
         assert torch.equal(again.sampler().lm_head.weight, dm.sampler().lm_head.weight)
         assert again.sampler().lm_head.weight.dtype == torch.bfloat16
-    with pytest.raises(ValueError, match="sampler_dtype"):
-        RolloutDataModule(task=ArithmeticTask(num_heldout=4), sampler_dtype="float8")
+    with pytest.raises(ValueError, match="sampling.dtype"):
+        RolloutDataModule(task=ArithmeticTask(num_heldout=4), sampling=Sampling(dtype="float8"))

@@ -90,5 +90,5 @@ def test_the_sao_config_trains_asynchronously_on_the_multi_turn_task(tmp_path):
                      '"init_args": {"steps": 1}}]'], run=False)
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     assert cli.trainer.global_step == 3
-    assert cli.datamodule.async_queue == 2 and cli.datamodule._producer is not None
+    assert cli.datamodule.async_rollout.queue == 2 and cli.datamodule._producer is not None
     assert cli.model.critic_learner.updates == 2 and cli.datamodule.group_size == 1

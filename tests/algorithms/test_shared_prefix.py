@@ -43,6 +43,7 @@ from rl_lightning.envs import Prompt, Task
 from rl_lightning.rollout import GroupRollout, KVCacheEngine, RolloutBatch, RolloutDataModule, SamplingParams, sample
 from rl_lightning.rollout.generation import DecodeOptions
 from rl_lightning.rollout.generation import can_share_prompts, distinct_rows
+from rl_lightning.rollout import Sampling
 from tests.algorithms.test_skipping import _advantages, _Capture, _metric_tolerances, _off_policy, _plan
 from tests.conftest import tiny_datamodule, tiny_trainer
 from tests.rollout.rollout_helpers import ScriptedLM, fake_trainer
@@ -324,8 +325,8 @@ class _SeededStartTask(CountdownTask):
 @pytest.mark.parametrize("task", [CountdownTask(turns=2), _SeededStartTask(turns=2)], ids=["same-start", "seeded"])
 def test_episodes_share_only_the_first_observations_that_are_equal(monkeypatch, task: Task):
     module = _module(GRPO, "llama")
-    dm = RolloutDataModule(task=task, prompts_per_step=2, group_size=3, max_new_tokens=3,
-                           strategy=GroupRollout(max_turns=2))
+    dm = RolloutDataModule(task=task, prompts_per_step=2, group_size=3, strategy=GroupRollout(max_turns=2),
+                           sampling=Sampling(max_new_tokens=3))
     dm.trainer = fake_trainer(module)
     batch = _off_policy(module, dm.rollout(dm.prompt_batch(0)))
     # spread in both groups: every row has a gradient

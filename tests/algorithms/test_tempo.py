@@ -17,7 +17,7 @@ from rl_lightning.algorithms.tempo import QUERIED, REPLAYED, RETURN, TARGET
 from rl_lightning.cli import build_cli
 from rl_lightning.envs import GuessNumberTask
 from rl_lightning.functional import group_advantages, nearest_bin
-from rl_lightning.rollout import Branch, BranchRollout, GroupRollout, RolloutDataModule
+from rl_lightning.rollout import Branch, BranchRollout, Evaluation, GroupRollout, RolloutDataModule, Sampling
 from tests.conftest import REPO
 from tests.rollout.rollout_helpers import fake_trainer
 
@@ -36,8 +36,9 @@ def setup(horizon: int, warmup_steps: int = 0, replay: int = 0, **kwargs) -> tup
     torch.manual_seed(0)
     module = TEMPO(model_name_or_path="embedded:guess", critic=CountingCritic(), horizon=horizon,
                    warmup_steps=warmup_steps, replay=replay, **kwargs)
-    dm = RolloutDataModule(task=GuessNumberTask(), prompts_per_step=4, group_size=4, max_new_tokens=3,
-                           strategy=BranchRollout(n=4, max_turns=5, max_episode_tokens=32), val_batch_size=31, seed=0)
+    dm = RolloutDataModule(task=GuessNumberTask(), prompts_per_step=4, group_size=4,
+                           strategy=BranchRollout(n=4, max_turns=5, max_episode_tokens=32), seed=0,
+                           sampling=Sampling(max_new_tokens=3), evaluation=Evaluation(batch_size=31))
     dm.trainer = fake_trainer(module)
     module.check_datamodule(dm)
     return module, dm
@@ -122,8 +123,8 @@ def test_warm_up_runs_whole_episodes_then_the_horizon_with_replayed_states():
 
 def test_refusals():
     module, _ = setup(horizon=1)
-    plain = RolloutDataModule(task=GuessNumberTask(), prompts_per_step=2, group_size=4, max_new_tokens=3,
-                              strategy=GroupRollout(max_turns=5))
+    plain = RolloutDataModule(task=GuessNumberTask(), prompts_per_step=2, group_size=4,
+                              strategy=GroupRollout(max_turns=5), sampling=Sampling(max_new_tokens=3))
     with pytest.raises(ValueError, match="data.init_args.strategy must be a rl_lightning.rollout.BranchRollout"):
         module.check_datamodule(plain)
     with pytest.raises(ValueError, match="critic_samples must be >= 2"):

@@ -318,11 +318,13 @@ def module():
 
 
 def data_module(module, task, strategy, **kwargs):
-    from rl_lightning.rollout import RolloutDataModule
+    from rl_lightning.rollout import Evaluation, RolloutDataModule, Sampling
+    from tests.helpers.settings import data_kwargs
     from tests.rollout.rollout_helpers import fake_trainer
 
-    dm = RolloutDataModule(task=task, prompts_per_step=2, group_size=2, max_new_tokens=6, strategy=strategy,
-                           val_batch_size=4, **kwargs)
+    dm = RolloutDataModule(**data_kwargs(task=task, prompts_per_step=2, group_size=2, strategy=strategy,
+                                         sampling=Sampling(max_new_tokens=6), evaluation=Evaluation(batch_size=4),
+                                         **kwargs))
     dm.trainer = fake_trainer(module)
     return dm
 

@@ -15,6 +15,7 @@ import yaml
 
 from rl_lightning.envs import CalculatorTask
 from tests.conftest import REPO
+from tests.helpers.settings import data_kwargs
 
 PRESET = REPO / "configs" / "tasks" / "calculator.yaml"
 
@@ -26,18 +27,18 @@ def _record() -> dict:
 
 
 def _preset_datamodule(**overrides):
-    """The data module the preset configures (task, strategy, max_new_tokens, val_batch_size), built from the
+    """The data module the preset configures (task, strategy, sampling, evaluation), built from the
     YAML itself so the test follows it."""
-    from rl_lightning.rollout import GroupRollout, RolloutDataModule
+    from rl_lightning.rollout import Evaluation, GroupRollout, RolloutDataModule, Sampling
 
     data = yaml.safe_load(PRESET.read_text())["data"]["init_args"]
     assert data["task"]["class_path"] == "rl_lightning.envs.CalculatorTask"
     assert data["strategy"]["class_path"] == "rl_lightning.rollout.GroupRollout"
     kwargs = dict(task=CalculatorTask(**data["task"]["init_args"]),
                   strategy=GroupRollout(**data["strategy"]["init_args"]),
-                  max_new_tokens=data["max_new_tokens"], val_batch_size=data["val_batch_size"])
+                  sampling=Sampling(**data["sampling"]), evaluation=Evaluation(**data["evaluation"]))
     kwargs.update(overrides)
-    return RolloutDataModule(**kwargs)
+    return RolloutDataModule(**data_kwargs(**kwargs))
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +85,7 @@ def test_the_preset_stacks_on_each_method(method):
     assert dict(vars(data.task.init_args)) == {"num_heldout": 100, "max_calls": 2, "seed": 1234}
     assert data.strategy.class_path == "rl_lightning.rollout.GroupRollout"
     assert data.strategy.init_args.max_turns == 3 == data.task.init_args.max_calls + 1
-    assert data.max_new_tokens == 6 and data.val_batch_size >= 100
+    assert data.sampling.max_new_tokens == 6 and data.evaluation.batch_size >= 100
     # the preset's own runs (run scripts pass their own name)
     assert config.trainer.logger.init_args.name == "calculator"
 
@@ -102,10 +103,10 @@ def test_the_longest_episode_fits_the_tiny_llama():
     first = 1 + max(n(p.text) for p in dm.task.heldout_prompts() + [dm.task.make_prompt(99, 9)])
     longest_obs = max(n(f"={calculate(e)}:") for e in ("99999", "99*99", "9*9*9", "1-999"))
     assert longest_obs == n("=99999:") == 7
-    worst = 3 * dm.max_new_tokens + 2 * longest_obs
+    worst = 3 * dm.sampling.max_new_tokens + 2 * longest_obs
     assert worst <= dm.strategy.max_episode_tokens
     assert first + dm.strategy.max_episode_tokens <= model.config.max_position_embeddings == 64
-    assert n("c99*9") + 1 <= dm.max_new_tokens and n("891") + 1 <= dm.max_new_tokens
+    assert n("c99*9") + 1 <= dm.sampling.max_new_tokens and n("891") + 1 <= dm.sampling.max_new_tokens
 
 
 # ---------------------------------------------------------------------------------------------------------- warm start

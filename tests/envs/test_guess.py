@@ -13,6 +13,7 @@ import yaml
 
 from rl_lightning.envs import Environment, GuessNumberEnv, GuessNumberTask, Prompt, Task
 from tests.conftest import REPO
+from tests.helpers.settings import data_kwargs
 
 PRESET = REPO / "configs" / "tasks" / "guess.yaml"
 #: each method's own settings for the task (run_methods.sh stacks configs/tasks/guess_<method>.yaml after the preset)
@@ -204,18 +205,18 @@ def test_the_task_checks_its_arguments():
 
 # ---------------------------------------------------------------------------------------------------------- preset
 def _preset_datamodule(**overrides):
-    """The data module the preset configures (task, strategy, max_new_tokens, val_batch_size), built from the
+    """The data module the preset configures (task, strategy, sampling, evaluation), built from the
     YAML itself so the test follows it."""
-    from rl_lightning.rollout import GroupRollout, RolloutDataModule
+    from rl_lightning.rollout import Evaluation, GroupRollout, RolloutDataModule, Sampling
 
     data = yaml.safe_load(PRESET.read_text())["data"]["init_args"]
     assert data["task"]["class_path"] == "rl_lightning.envs.GuessNumberTask"
     assert data["strategy"]["class_path"] == "rl_lightning.rollout.GroupRollout"
     kwargs = dict(task=GuessNumberTask(**data["task"]["init_args"]),
                   strategy=GroupRollout(**data["strategy"]["init_args"]),
-                  max_new_tokens=data["max_new_tokens"], val_batch_size=data["val_batch_size"])
+                  sampling=Sampling(**data["sampling"]), evaluation=Evaluation(**data["evaluation"]))
     kwargs.update(overrides)
-    return RolloutDataModule(**kwargs)
+    return RolloutDataModule(**data_kwargs(**kwargs))
 
 
 @pytest.mark.parametrize("method", ["grpo", "reinforce", "ppo"])
@@ -236,11 +237,11 @@ def test_the_preset_stacks_on_each_method(method):
     assert "num_heldout" not in data.task.init_args  # the arithmetic task's setting does not carry over
     assert data.strategy.class_path == "rl_lightning.rollout.GroupRollout"
     assert data.strategy.init_args.max_turns == 5
-    assert data.max_new_tokens == 3 and data.val_batch_size >= 31
+    assert data.sampling.max_new_tokens == 3 and data.evaluation.batch_size >= 31
     assert config.trainer.logger.init_args.name == "guess"  # the preset's own runs
     assert (config.trainer.max_steps, config.trainer.val_check_interval) == (100, 10)
     assert config.model.init_args.optimizer.init_args.lr == (5e-5 if method == "ppo" else 1e-4)  # the method's own
-    assert data.temperature == 1.0
+    assert data.sampling.temperature == 1.0
 
 
 @pytest.mark.parametrize("method", ["grpo", "reinforce", "ppo"])
@@ -261,11 +262,11 @@ def test_each_method_preset_stacks_after_the_task_preset(method):
     assert (config.trainer.max_steps, data.prompts_per_step, data.group_size) == (100, 16, 8)
     assert model.optimizer.init_args.lr == 1e-4
     if method == "ppo":
-        assert model.lam == 1.0 and data.temperature == 1.0
+        assert model.lam == 1.0 and data.sampling.temperature == 1.0
     elif method == "grpo":  # the study's fix: temperature 0.7 and PPO's 2 passes x 2 minibatches
-        assert data.temperature == 0.7 and (model.num_iterations, model.num_minibatches) == (2, 2)
+        assert data.sampling.temperature == 0.7 and (model.num_iterations, model.num_minibatches) == (2, 2)
     else:  # REINFORCE: temperature 0.7, one optimiser step per batch
-        assert data.temperature == 0.7 and (model.num_iterations, model.num_minibatches) == (1, 1)
+        assert data.sampling.temperature == 0.7 and (model.num_iterations, model.num_minibatches) == (1, 1)
 
 
 def test_the_longest_episode_fits_the_tiny_llama():
@@ -276,7 +277,7 @@ def test_the_longest_episode_fits_the_tiny_llama():
     dm = _preset_datamodule()
     model, tok = load_policy("embedded:guess")
     first = 1 + len(tok("guess 1-31:", add_special_tokens=False)["input_ids"])
-    worst = 5 * dm.max_new_tokens + 4 * len(tok("bad:", add_special_tokens=False)["input_ids"])
+    worst = 5 * dm.sampling.max_new_tokens + 4 * len(tok("bad:", add_special_tokens=False)["input_ids"])
     assert worst <= dm.strategy.max_episode_tokens
     assert first + dm.strategy.max_episode_tokens <= model.config.max_position_embeddings == 64
 

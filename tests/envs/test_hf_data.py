@@ -173,7 +173,7 @@ def test_a_fit_trains_from_a_local_parquet_file_as_the_docs_show(gsm8k_parquet, 
                      "--data.init_args.task.init_args.train_path", str(gsm8k_parquet),
                      "--data.init_args.task.init_args.num_heldout", "2",
                      "--data.init_args.prompts_per_step=2", "--data.init_args.group_size=2",
-                     "--data.init_args.max_new_tokens=4", "--data.init_args.val_batch_size=2",
+                     "--data.init_args.sampling.max_new_tokens=4", "--data.init_args.evaluation.batch_size=2",
                      "--trainer.max_steps=2", "--trainer.logger=false", "--trainer.enable_progress_bar=false",
                      f"--trainer.default_root_dir={tmp_path}"], run=False, save_config=False)
     assert isinstance(cli.datamodule.task, DatasetTask)

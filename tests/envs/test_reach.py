@@ -16,6 +16,7 @@ import yaml
 from rl_lightning.envs import Environment, ReachTargetEnv, ReachTargetTask, Task
 from rl_lightning.envs.reach import MOVES, apply_move, best_move, distances_to, shortest_solution
 from tests.conftest import REPO
+from tests.helpers.settings import data_kwargs
 
 PRESET = REPO / "configs" / "tasks" / "reach.yaml"
 
@@ -181,17 +182,17 @@ def warm():
 
 
 def _preset_datamodule(module, **overrides):
-    from rl_lightning.rollout import GroupRollout, RolloutDataModule
+    from rl_lightning.rollout import Evaluation, GroupRollout, RolloutDataModule, Sampling
     from tests.rollout.rollout_helpers import fake_trainer
 
     data = yaml.safe_load(PRESET.read_text())["data"]["init_args"]
     assert data["task"]["class_path"] == "rl_lightning.envs.ReachTargetTask"
     kwargs = dict(task=ReachTargetTask(**data["task"]["init_args"]),
                   strategy=GroupRollout(**data["strategy"]["init_args"]),
-                  max_new_tokens=data["max_new_tokens"], val_batch_size=data["val_batch_size"],
+                  sampling=Sampling(**data["sampling"]), evaluation=Evaluation(**data["evaluation"]),
                   prompts_per_step=2, group_size=4)
     kwargs.update(overrides)
-    dm = RolloutDataModule(**kwargs)
+    dm = RolloutDataModule(**data_kwargs(**kwargs))
     dm.trainer = fake_trainer(module)
     return dm
 
@@ -206,7 +207,7 @@ def test_branching_saved_mid_episode_states_continues_the_episode(warm):
     continues saved states n times in the restored environment."""
     from rl_lightning.rollout import Branch, BranchRollout, GroupRollout
 
-    dm = _preset_datamodule(warm, num_val_prompts=40, val_batch_size=40)
+    dm = _preset_datamodule(warm, num_prompts=40, batch_size=40)
     (prompts,) = dm.val_prompt_batches()
     with torch.no_grad():
         straight = dm.rollout(prompts)
@@ -249,7 +250,7 @@ def test_the_preset_fits_the_episode_in_the_models_positions():
     cfg = yaml.safe_load(PRESET.read_text())
     data = cfg["data"]["init_args"]
     assert cfg["model"]["init_args"]["model_name_or_path"] == "embedded:reach"
-    assert data["strategy"]["init_args"]["max_turns"] == 10 and data["max_new_tokens"] == 3
+    assert data["strategy"]["init_args"]["max_turns"] == 10 and data["sampling"]["max_new_tokens"] == 3
     longest = 1 + len("s99 t99:") + data["strategy"]["init_args"]["max_episode_tokens"]
     config = json.loads((REPO / "rl_lightning" / "models" / "assets" / "reach" / "config.json").read_text())
     assert 10 * 3 + 9 * len("99:") <= data["strategy"]["init_args"]["max_episode_tokens"]
@@ -262,7 +263,7 @@ def test_the_warm_start_is_converged_in_the_window_and_scores_its_record(warm):
     assert record["plateau"]["range"] <= record["plateau"]["tolerance"]
     assert record["sampled_success"]["mean_turns"] >= 8
     assert 0.20 <= record["validation_greedy_success"] <= 0.45
-    dm = _preset_datamodule(warm, eval_split="validation")  # the smaller split: the test's is checked by the build
+    dm = _preset_datamodule(warm, split="validation")  # the smaller split: the test's is checked by the build
     with torch.no_grad():
         total, count = dm.evaluate()
     assert count == 200 and total / count == pytest.approx(record["validation_greedy_success"], abs=1e-6)

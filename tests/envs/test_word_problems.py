@@ -105,7 +105,7 @@ def test_the_validation_split_follows_the_test_split_and_is_never_trained_on():
 
 
 def test_heldout_prefix_is_not_sorted_by_operand():
-    # the first few (what num_val_prompts keeps) should look like a random sample, not the smallest operands
+    # the first few (what evaluation.num_prompts keeps) should look like a random sample, not the smallest operands
     held = ArithmeticWordTask(num_heldout=200, seed=1234).heldout_prompts()[:8]
     assert len({p.metadata["a"] for p in held}) > 3
     assert len({p.metadata["op"] for p in ArithmeticWordTask(num_heldout=200).heldout_prompts()[:16]}) == 2

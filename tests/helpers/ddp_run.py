@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from rl_lightning.algorithms import GRPO, PPO, SPO  # noqa: E402
 from rl_lightning.envs.base import Prompt, RewardFunction  # noqa: E402
-from rl_lightning.rollout import RewardSpread, WeightedSampler  # noqa: E402
+from rl_lightning.rollout import Evaluation, RewardSpread, Sampling, WeightedSampler  # noqa: E402
 from rl_lightning.rollout.batch import RolloutBatch  # noqa: E402
 from tests.conftest import tiny_datamodule  # noqa: E402
 
@@ -205,7 +205,7 @@ def main() -> None:
 
         module = GRPO(model_name_or_path="embedded:arithmetic", optimizer=optimizer)
         dump = Dump(out)
-        data = tiny_datamodule(prompts_per_step=4, task=ArithmeticTask(num_heldout=15), val_batch_size=4)
+        data = tiny_datamodule(prompts_per_step=4, task=ArithmeticTask(num_heldout=15), batch_size=4)
     elif method == "grpo-dynamic":  # dynamic sampling: rank 0's groups never pass RewardSpread, rank 1's do
         module = GRPO(model_name_or_path="embedded:arithmetic", optimizer=optimizer)
         dump = Dump(out)
@@ -217,9 +217,11 @@ def main() -> None:
 
         module = GRPO(model_name_or_path="embedded:guess", optimizer=optimizer)
         dump = Dump(out)
-        data = RolloutDataModule(task=GuessNumberTask(), prompts_per_step=4, group_size=4, max_new_tokens=3,
-                                 temperature=1.5, strategy=GroupRollout(max_turns=5, max_episode_tokens=32),
-                                 group_filter=RejectOnRankZero(), max_rounds=3, val_batch_size=8, seed=0)
+        data = RolloutDataModule(task=GuessNumberTask(), prompts_per_step=4, group_size=4,
+                                 strategy=GroupRollout(max_turns=5, max_episode_tokens=32),
+                                 group_filter=RejectOnRankZero(), max_rounds=3, seed=0,
+                                 sampling=Sampling(max_new_tokens=3, temperature=1.5),
+                                 evaluation=Evaluation(batch_size=8))
     elif method == "spo":  # a pool of 6 prompts, 4 per step: the ranks revisit each other's prompts
         module = SPO(model_name_or_path="embedded:arithmetic", optimizer=optimizer)
         dump = Dump(out)
@@ -234,13 +236,15 @@ def main() -> None:
         if method == "tempo":
             module = TEMPO(model_name_or_path="embedded:guess", horizon=1, warmup_steps=1, replay=2,
                            optimizer=optimizer)
-            data = RolloutDataModule(task=GuessNumberTask(), prompts_per_step=4, group_size=4, max_new_tokens=3,
-                                     strategy=BranchRollout(n=4, max_turns=5, max_episode_tokens=32), seed=0)
+            data = RolloutDataModule(task=GuessNumberTask(), prompts_per_step=4, group_size=4,
+                                     strategy=BranchRollout(n=4, max_turns=5, max_episode_tokens=32), seed=0,
+                                     sampling=Sampling(max_new_tokens=3))
         else:
             module = AC2(model_name_or_path="embedded:arithmetic_hard", chunk_tokens=2, replay=2,
                          optimizer=optimizer)
             data = RolloutDataModule(task=ArithmeticTask(num_digits=3, num_heldout=8), prompts_per_step=4,
-                                     group_size=4, max_new_tokens=6, strategy=BranchRollout(n=4, max_turns=1), seed=0)
+                                     group_size=4, strategy=BranchRollout(n=4, max_turns=1), seed=0,
+                                     sampling=Sampling(max_new_tokens=6))
             extra_callbacks = [FullRolloutAudit(fraction=1.0)]
     else:  # every parameter of a separate critic must receive a gradient, or plain DDP refuses the step
         module = PPO(model_name_or_path="embedded:arithmetic", critic="separate", optimizer=optimizer)

@@ -162,7 +162,7 @@ def test_the_sampler_generates_with_the_adapters_after_updates_and_syncs(tmp_pat
     the bound (the negative control: a sampler that dropped the adapters would fail)."""
     for interval, steps in ((1, 3), (2, 3)):
         module, record = _module(), RecordBatches()
-        dm = tiny_datamodule(sampler_sync_interval=interval)
+        dm = tiny_datamodule(sync_interval=interval)
         tiny_trainer(tmp_path / f"i{interval}", max_steps=steps, callbacks=[record]).fit(module, datamodule=dm)
         bound = decoder_logprob_bound(module.policy, 1.0, module.policy.config.max_position_embeddings)
         synced = [s for s in range(steps) if s % interval == 0]

@@ -171,7 +171,7 @@ class VersionedTrainer:
 def wait_full(dm) -> None:
     """Block until the asynchronous producer of ``dm`` has filled its queue."""
     for _ in range(600):
-        if len(dm._producer.items) >= dm.async_queue:
+        if len(dm._producer.items) >= dm.async_rollout.queue:
             return
         time.sleep(0.05)
     raise AssertionError("the producer did not fill its queue")

@@ -11,14 +11,16 @@ from rollout_helpers import VersionedTrainer as _Trainer, fake_trainer, model_lo
 
 from rl_lightning.algorithms import GRPO
 from rl_lightning.envs import ArithmeticTask
-from rl_lightning.rollout import GroupRollout, RolloutDataModule
+from rl_lightning.rollout import AsyncRollout, GroupRollout, RolloutDataModule, Sampling
 from rl_lightning.rollout.generation import position_ids_from_mask
 from tests.conftest import tiny_datamodule, tiny_trainer
+from tests.helpers.settings import data_kwargs
 
 
 def _dm(module, version: list[int], **kwargs) -> RolloutDataModule:
-    dm = RolloutDataModule(ArithmeticTask(num_heldout=4), prompts_per_step=2, group_size=2, max_new_tokens=3,
-                           async_queue=3, **kwargs)
+    dm = RolloutDataModule(**data_kwargs(task=ArithmeticTask(num_heldout=4), prompts_per_step=2, group_size=2,
+                                         sampling=Sampling(max_new_tokens=3), async_rollout=AsyncRollout(queue=3),
+                                         **kwargs))
     dm.trainer = _Trainer(fake_trainer(module), version)
     return dm
 
@@ -60,9 +62,9 @@ def test_an_asynchronous_batch_is_the_synchronous_batch_of_its_step_extras_inclu
     learner's cursor is at while the producer draws."""
     torch.manual_seed(0)
     module = GRPO(model_name_or_path="embedded:random")
-    extras = dict(record_topk=2, record_aux_draws=3, strategy=strategy)
-    sync = RolloutDataModule(ArithmeticTask(num_heldout=4), prompts_per_step=2, group_size=2, max_new_tokens=3,
-                             **extras)
+    extras = dict(topk=2, aux_draws=3, strategy=strategy)
+    sync = RolloutDataModule(**data_kwargs(task=ArithmeticTask(num_heldout=4), prompts_per_step=2, group_size=2,
+                                           sampling=Sampling(max_new_tokens=3), **extras))
     sync.trainer = fake_trainer(module)
     dm = _dm(module, [0], **extras)
     try:
@@ -135,11 +137,12 @@ def test_a_checkpoint_in_the_middle_of_a_step_keeps_the_batch_being_trained_on()
 
 
 def test_async_rollouts_train_in_a_fit_and_refuse_a_lagged_sampler(tmp_path):
-    with pytest.raises(ValueError, match="sampler_sync_interval=1"):
-        RolloutDataModule(ArithmeticTask(num_heldout=4), async_queue=2, sampler_sync_interval=2)
+    with pytest.raises(ValueError, match="sampling.sync_interval=1"):
+        RolloutDataModule(ArithmeticTask(num_heldout=4), async_rollout=AsyncRollout(queue=2),
+                          sampling=Sampling(sync_interval=2))
     torch.manual_seed(0)
     module = GRPO(model_name_or_path="embedded:random")
-    dm = tiny_datamodule(async_queue=2, max_staleness=2)
+    dm = tiny_datamodule(queue=2, max_staleness=2)
     trainer = tiny_trainer(tmp_path, max_steps=3)
     trainer.fit(module, datamodule=dm)
     assert trainer.global_step == 3
@@ -153,7 +156,7 @@ def test_a_resumed_asynchronous_fit_trains_on_the_same_stream_steps_as_a_straigh
         torch.manual_seed(0)
         return GRPO(model_name_or_path="embedded:random")
 
-    settings = dict(async_queue=2, max_staleness=10)  # nothing is stale enough to drop here
+    settings = dict(queue=2, max_staleness=10)  # nothing is stale enough to drop here
     straight = RecordRollouts()
     tiny_trainer(tmp_path / "a", max_steps=5, callbacks=[straight]).fit(
         module(), datamodule=tiny_datamodule(**settings))

@@ -14,6 +14,7 @@ from rl_lightning.rollout import (
     Branch, BranchRollout, BranchStore, GroupRollout, PromptBatch, RolloutDataModule,
 )
 from rl_lightning.rollout.branching import BRANCH_PREFIX_TOKENS
+from rl_lightning.rollout import Evaluation, PromptFormat, Sampling
 from tests.rollout.rollout_helpers import fake_trainer
 
 
@@ -35,9 +36,9 @@ def guess():
 
 def _heldout(module: GRPO, max_turns: int) -> tuple[RolloutDataModule, object]:
     """Greedy held-out episodes of guess-the-number (31 secrets) cut at ``max_turns`` turns."""
-    dm = _bound(RolloutDataModule(task=GuessNumberTask(), prompts_per_step=1, group_size=1, max_new_tokens=3,
-                                  val_batch_size=31,
-                                  strategy=GroupRollout(max_turns=max_turns, max_episode_tokens=32)), module)
+    dm = _bound(RolloutDataModule(task=GuessNumberTask(), prompts_per_step=1, group_size=1,
+                                  strategy=GroupRollout(max_turns=max_turns, max_episode_tokens=32),
+                                  sampling=Sampling(max_new_tokens=3), evaluation=Evaluation(batch_size=31)), module)
     (prompts,) = dm.val_prompt_batches()
     return dm, dm.rollout(prompts)
 
@@ -91,8 +92,8 @@ def test_each_branch_has_its_own_horizon_and_token_budget():
     module = GRPO(model_name_or_path="embedded:guess")
     task = GuessNumberTask()
     strategy = BranchRollout(n=4, max_turns=5, max_episode_tokens=32)
-    dm = _bound(RolloutDataModule(task=task, prompts_per_step=1, group_size=4, max_new_tokens=3,
-                                  temperature=1.5, strategy=strategy), module)
+    dm = _bound(RolloutDataModule(task=task, prompts_per_step=1, group_size=4, strategy=strategy,
+                                  sampling=Sampling(max_new_tokens=3, temperature=1.5)), module)
     prompt = task.train_prompt(0)
     strategy.set_branches([Branch(prompt, max_turns=1), Branch(prompt, max_turns=2), Branch(prompt, max_tokens=4)])
     batch = dm.rollout(dm.prompt_batch(0))
@@ -114,8 +115,9 @@ def test_a_completion_never_overruns_the_turn_and_a_chunk_is_held_from_the_envir
     task = ArithmeticTask(num_heldout=4)
     strategy = BranchRollout(n=4, max_turns=1)
     scored: list[str] = []
-    dm = _bound(RolloutDataModule(task=task, prompts_per_step=1, group_size=4, max_new_tokens=6, strategy=strategy,
-                                  reward_fn=lambda prompt, response: scored.append(response) or 0.5), module)
+    dm = _bound(RolloutDataModule(task=task, prompts_per_step=1, group_size=4, strategy=strategy,
+                                  reward_fn=lambda prompt, response: scored.append(response) or 0.5,
+                                  sampling=Sampling(max_new_tokens=6)), module)
     prompt = task.train_prompt(0)
     pending = tok("12", add_special_tokens=False)["input_ids"] + tok("3", add_special_tokens=False)["input_ids"]
     strategy.set_branches([Branch(prompt, list(pending), pending_ids=list(pending)),
@@ -147,8 +149,9 @@ def test_one_off_rollouts_are_seeded_in_eval_mode_and_leave_the_policy_training(
     module = GRPO(model_name_or_path="embedded:random")
     modes: list[bool] = []
     dm = _bound(RolloutDataModule(task=ArithmeticTask(num_heldout=4), prompts_per_step=1, group_size=4,
-                                  max_new_tokens=4, strategy=GroupRollout(),
-                                  reward_fn=lambda p, r: modes.append(module.policy.training) or 0.0), module)
+                                  strategy=GroupRollout(),
+                                  reward_fn=lambda p, r: modes.append(module.policy.training) or 0.0,
+                                  sampling=Sampling(max_new_tokens=4)), module)
     module.policy.train()
     branches = [Branch(ArithmeticTask(num_heldout=4).train_prompt(i)) for i in range(2)]
     a, b = dm.rollout_branches(branches, n=3, seed=11), dm.rollout_branches(branches, n=3, seed=11)
@@ -167,8 +170,8 @@ def test_the_strategy_owns_the_group_size_and_branches_from_gets_the_steps_promp
     torch.manual_seed(0)
     module = GRPO(model_name_or_path="embedded:random")
     strategy = BranchRollout(n=2, max_turns=2)
-    dm = _bound(RolloutDataModule(task=GuessNumberTask(), prompts_per_step=2, group_size=2, max_new_tokens=3,
-                                  strategy=strategy), module)
+    dm = _bound(RolloutDataModule(task=GuessNumberTask(), prompts_per_step=2, group_size=2, strategy=strategy,
+                                  sampling=Sampling(max_new_tokens=3)), module)
     seen: list[tuple[int, PromptBatch]] = []
 
     def from_prompts(step: int, prompts: PromptBatch) -> list[Branch]:
@@ -215,7 +218,8 @@ def test_an_end_state_under_a_chat_template_continues_the_templates_rendering():
     module = GRPO(model_name_or_path="embedded:arithmetic")
     tok = module.tokenizer
     tok.chat_template = NUMBERED_TEMPLATE
-    common = dict(task=CountdownTask(), prompts_per_step=1, group_size=2, max_new_tokens=4, use_chat_template=True)
+    common = dict(task=CountdownTask(), prompts_per_step=1, group_size=2, sampling=Sampling(max_new_tokens=4),
+                  prompt_format=PromptFormat(use_chat_template=True))
     dm = _bound(RolloutDataModule(**common, strategy=GroupRollout(max_turns=1, max_episode_tokens=80)), module)
     first = dm.rollout(dm.prompt_batch(0))
     assert not first.terminated.any() and first.truncated.all()  # the environment wanted more turns
@@ -243,7 +247,7 @@ def test_one_off_rollouts_can_sample_with_the_lagged_sampler():
     torch.manual_seed(0)
     module = GRPO(model_name_or_path="embedded:random")
     dm = _bound(RolloutDataModule(task=ArithmeticTask(num_heldout=4), prompts_per_step=1, group_size=4,
-                                  max_new_tokens=6, sampler_sync_interval=4), module)
+                                  sampling=Sampling(max_new_tokens=6, sync_interval=4)), module)
     dm.rollout(dm.prompt_batch(0))  # step 0: the copy is made
     branches = [Branch(ArithmeticTask(num_heldout=4).train_prompt(5))]
     lagged, learner = dm.rollout_branches(branches, n=4, seed=2, sampler=True), dm.rollout_branches(branches, 4, 2)
@@ -271,8 +275,8 @@ def test_an_environment_that_cannot_be_snapshotted_still_trains_and_says_why_it_
 
     torch.manual_seed(0)
     module = GRPO(model_name_or_path="embedded:random")
-    dm = _bound(RolloutDataModule(task=Task(), prompts_per_step=1, group_size=2, max_new_tokens=3,
-                                  strategy=GroupRollout(max_turns=2)), module)
+    dm = _bound(RolloutDataModule(task=Task(), prompts_per_step=1, group_size=2, strategy=GroupRollout(max_turns=2),
+                                  sampling=Sampling(max_new_tokens=3)), module)
     batch = dm.rollout(dm.prompt_batch(0))
     assert batch.cut.all() and batch.end_states[0].snapshot_error.startswith("TypeError: cannot pickle")
     with pytest.raises(ValueError, match="could not be snapshotted"):

@@ -10,8 +10,11 @@ from rollout_helpers import ScriptedLM, char_tokenizer_specials_last, fake_train
 
 from rl_lightning.algorithms import GRPO
 from rl_lightning.envs import ArithmeticTask, ExactMatchReward, Prompt, RewardError, RewardFunction
-from rl_lightning.rollout import PromptBatch, RolloutBatch, RolloutDataModule, position_ids_from_mask
+from rl_lightning.rollout import (
+    AsyncRollout, Evaluation, PromptBatch, Recording, RolloutBatch, RolloutDataModule, Sampling, position_ids_from_mask,
+)
 from tests.tolerances import decoder_logprob_bound
+from tests.helpers.settings import data_kwargs
 
 TASK = ArithmeticTask(num_heldout=10, seed=1234)
 
@@ -22,8 +25,8 @@ def _bound(module, batch: RolloutBatch) -> float:  # noqa: ANN001
 
 
 def _dm(module=None, rank=0, world=1, task=TASK, **kwargs) -> RolloutDataModule:
-    kwargs = {"prompts_per_step": 2, "group_size": 3, "max_new_tokens": 4, **kwargs}
-    dm = RolloutDataModule(task, **kwargs)
+    kwargs = {"prompts_per_step": 2, "group_size": 3, "sampling": Sampling(max_new_tokens=4), **kwargs}
+    dm = RolloutDataModule(task, **data_kwargs(**kwargs))
     dm.trainer = fake_trainer(module, rank, world)
     return dm
 
@@ -48,14 +51,38 @@ def _roundtrip(state):
 
 # ---------------------------------------------------------------------------------------------------------------
 # construction and prompt stream
-@pytest.mark.parametrize(
-    ("name", "value"),
-    [("prompts_per_step", 0), ("group_size", 0), ("max_new_tokens", 0), ("temperature", 0.0), ("top_p", 0.0),
-     ("top_p", 1.5), ("sampler_sync_interval", 0), ("val_batch_size", 0), ("num_val_prompts", -1)],
-)
+@pytest.mark.parametrize(("name", "value"), [("prompts_per_step", 0), ("group_size", 0), ("max_rounds", 0)])
 def test_invalid_arguments_name_the_field(name, value):
-    with pytest.raises(ValueError, match=name):
+    with pytest.raises(ValueError, match=rf"invalid data\.init_args\.{name}={value}"):
         RolloutDataModule(TASK, **{name: value})
+
+
+@pytest.mark.parametrize(
+    ("group", "name", "value"),
+    [(Sampling, "max_new_tokens", 0), (Sampling, "temperature", 0.0), (Sampling, "top_p", 0.0),
+     (Sampling, "top_p", 1.5), (Sampling, "sync_interval", 0), (Sampling, "dtype", "float8"),
+     (Evaluation, "batch_size", 0), (Evaluation, "num_prompts", -1), (Evaluation, "split", "train"),
+     (Recording, "topk", -1), (Recording, "aux_draws", -1), (AsyncRollout, "queue", -1),
+     (AsyncRollout, "max_staleness", -1)],
+)
+def test_invalid_settings_name_the_group_and_field(group, name, value):
+    key = {Sampling: "sampling", Evaluation: "evaluation", Recording: "record", AsyncRollout: "async_rollout"}[group]
+    with pytest.raises(ValueError, match=rf"invalid data\.init_args\.{key}\.{name}="):
+        group(**{name: value})
+
+
+def test_grouped_builds_the_settings_groups_of_a_config_read_as_yaml():
+    import yaml
+
+    from rl_lightning.rollout.settings import grouped
+    from tests.conftest import REPO
+
+    init = yaml.safe_load((REPO / "configs" / "score_centering.yaml").read_text())["data"]["init_args"]
+    args = grouped(init)
+    assert args["sampling"] == Sampling(max_new_tokens=6, temperature=1.0, top_p=1.0, sync_interval=4, dtype=None)
+    assert args["record"] == Recording(topk=8) and args["evaluation"] == Evaluation(batch_size=500)
+    assert args["task"] == init["task"] and args["prompts_per_step"] == 16  # not groups: as read
+    assert isinstance(init["sampling"], dict)  # the mapping read is not changed
 
 
 def test_prompt_batch_shards_a_contiguous_global_slice():
@@ -155,7 +182,7 @@ def test_rollout_is_on_policy(module):
 
 
 def test_val_batch_does_not_advance_cursor(module):
-    dm = _dm(module, num_val_prompts=4, val_batch_size=4)
+    dm = _dm(module, num_prompts=4, batch_size=4)
     dm.rollout(dm.val_prompt_batches()[0])
     assert dm.cursor == 0 and dm.sampling_params(dm.val_prompt_batches()[0]).seed is None  # greedy, unseeded
 
@@ -230,7 +257,7 @@ def test_state_dict_resumes_stream_and_sampling(module):
 
 
 def test_state_dict_resumes_lagged_sampler(module):
-    a = _dm(module, sampler_sync_interval=3)
+    a = _dm(module, sync_interval=3)
     a.rollout(a.prompt_batch(0))
     with torch.no_grad():
         module.policy.lm_head.weight.mul_(3.0)  # "an update": the sampler stays stale until step 3
@@ -239,7 +266,7 @@ def test_state_dict_resumes_lagged_sampler(module):
     assert state["sampler_synced_at"] == 0
     expected = a.rollout(a.prompt_batch(2))
 
-    b = _dm(module, sampler_sync_interval=3)
+    b = _dm(module, sync_interval=3)
     b.load_state_dict(state)
     resumed = b.rollout(b.prompt_batch(2))
     assert torch.equal(resumed.input_ids, expected.input_ids)
@@ -274,7 +301,7 @@ def test_sampler_sync_interval_one_uses_the_policy(module):
 
 
 def test_sampler_sync_interval_two(module):
-    dm = _dm(module, prompts_per_step=1, group_size=2, sampler_sync_interval=2)
+    dm = _dm(module, prompts_per_step=1, group_size=2, sync_interval=2)
     b0 = dm.rollout(dm.prompt_batch(0))
     sampler = dm.sampler()
     assert sampler is not module.policy
@@ -311,8 +338,8 @@ def test_sampler_sync_interval_two(module):
 # validation
 def test_val_batches_shard_heldout_across_ranks():
     held = [p.text for p in TASK.heldout_prompts()[:7]]
-    r0 = _dm(num_val_prompts=7, val_batch_size=2, rank=0, world=2).val_prompt_batches()
-    r1 = _dm(num_val_prompts=7, val_batch_size=2, rank=1, world=2).val_prompt_batches()
+    r0 = _dm(num_prompts=7, batch_size=2, rank=0, world=2).val_prompt_batches()
+    r1 = _dm(num_prompts=7, batch_size=2, rank=1, world=2).val_prompt_batches()
     for batches in (r0, r1):
         assert all(b.split == "val" and b.step == -1 and len(b.indices) <= 2 for b in batches)
     i0 = [i for b in r0 for i in b.indices]
@@ -320,12 +347,12 @@ def test_val_batches_shard_heldout_across_ranks():
     assert not set(i0) & set(i1)
     assert sorted(i0 + i1) == list(range(7))
     assert [p.text for b in r0 + r1 for p in b.prompts] == [held[i] for i in i0 + i1]
-    single = _dm(num_val_prompts=None, val_batch_size=256).val_prompt_batches()
+    single = _dm(num_prompts=None, batch_size=256).val_prompt_batches()
     assert len(single) == 1 and len(single[0].indices) == 10  # all held-out prompts by default
 
 
 def test_val_rollout_is_greedy_group_one(warm):
-    dm = _dm(warm, group_size=4, num_val_prompts=6, val_batch_size=6, temperature=1.0, sampler_sync_interval=2)
+    dm = _dm(warm, group_size=4, num_prompts=6, batch_size=6, temperature=1.0, sync_interval=2)
     vb = dm.val_prompt_batches()[0]
     out1, out2 = dm.rollout(vb), dm.rollout(vb)
     assert out1.group_size == 1 and out1.num_rows == 6

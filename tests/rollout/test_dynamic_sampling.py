@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rl_lightning.algorithms import GRPO
-from rl_lightning.rollout import GroupRollout, RewardSpread, RolloutBatch
+from rl_lightning.rollout import Evaluation, GroupRollout, RewardSpread, RolloutBatch, Sampling
 from tests.conftest import RecordRollouts, tiny_datamodule, tiny_trainer
 from tests.rollout.test_batch import _batch
 
@@ -144,8 +144,8 @@ def test_without_a_filter_nothing_changes_and_max_rounds_is_validated(tmp_path):
     assert plain.group_filter is None and plain.take_rollout_metrics() == {}
     with pytest.raises(ValueError, match="max_rounds"):
         tiny_datamodule(max_rounds=0)
-    with pytest.raises(ValueError, match="async_queue"):
-        tiny_datamodule(group_filter=RewardSpread(), async_queue=1)
+    with pytest.raises(ValueError, match="async_rollout.queue"):
+        tiny_datamodule(group_filter=RewardSpread(), queue=1)
 
 
 def test_resume_mid_stream_is_bit_identical(tmp_path):
@@ -231,9 +231,10 @@ def test_multi_turn_episodes_are_filled_and_joined_with_their_turn_fields(tmp_pa
             seen.append(batch)
 
     strategy, record = Rounds(), Keep()
-    data = RolloutDataModule(task=GuessNumberTask(), prompts_per_step=4, group_size=4, max_new_tokens=3,
-                             temperature=1.5, strategy=strategy, group_filter=RewardSpread(), max_rounds=3,
-                             val_batch_size=8, seed=0)
+    data = RolloutDataModule(task=GuessNumberTask(), prompts_per_step=4, group_size=4, strategy=strategy,
+                             group_filter=RewardSpread(), max_rounds=3, seed=0,
+                             sampling=Sampling(max_new_tokens=3, temperature=1.5),
+                             evaluation=Evaluation(batch_size=8))
     module = GRPO(model_name_or_path="embedded:guess")
     tiny_trainer(tmp_path, max_steps=2, callbacks=[record]).fit(module, datamodule=data)
     assert len(strategy.tokens) > 2  # some step drew more than one round

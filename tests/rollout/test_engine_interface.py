@@ -10,15 +10,17 @@ from rollout_helpers import fake_trainer
 from rl_lightning.algorithms import GRPO
 from rl_lightning.envs import ArithmeticTask
 from rl_lightning.rollout import (
-    Generation, GroupRollout, HFGenerateEngine, KVCacheEngine, RolloutDataModule, SamplerSync, SamplingParams,
+    Generation, GroupRollout, HFGenerateEngine, KVCacheEngine, RolloutDataModule, SamplerSync, Sampling,
+    SamplingParams,
 )
 from tests.helpers.engines import ListEngine
 from tests.tolerances import decoder_logprob_bound
+from tests.helpers.settings import data_kwargs
 
 
 def _dm(module, **kwargs) -> RolloutDataModule:
-    dm = RolloutDataModule(ArithmeticTask(num_heldout=4), prompts_per_step=2, group_size=3, max_new_tokens=4,
-                           **kwargs)
+    dm = RolloutDataModule(**data_kwargs(task=ArithmeticTask(num_heldout=4), prompts_per_step=2, group_size=3,
+                                         sampling=Sampling(max_new_tokens=4), **kwargs))
     dm.trainer = fake_trainer(module)
     return dm
 
@@ -28,8 +30,8 @@ def test_an_engine_that_is_only_the_interface_draws_the_built_in_tokens_and_take
     torch.manual_seed(0)
     module = GRPO(model_name_or_path="embedded:random")
     engine = ListEngine()
-    ours, ref = _dm(module, engine=engine, strategy=strategy, record_topk=2), _dm(module, strategy=strategy,
-                                                                                 record_topk=2)
+    ours, ref = _dm(module, engine=engine, strategy=strategy, topk=2), _dm(module, strategy=strategy,
+                                                                                 topk=2)
     for step in range(3):
         got, want = ours.rollout(ours.prompt_batch(step)), ref.rollout(ref.prompt_batch(step))
         for name in ("input_ids", "attention_mask", "loss_mask", "truncated", "topk_ids"):
@@ -47,12 +49,12 @@ def test_an_engine_that_is_only_the_interface_draws_the_built_in_tokens_and_take
 
 def test_a_capability_the_engine_lacks_is_refused_at_setup_in_one_line():
     module = GRPO(model_name_or_path="embedded:random")
-    dm = _dm(module, engine=HFGenerateEngine(), record_topk=2, record_aux_draws=1)
+    dm = _dm(module, engine=HFGenerateEngine(), topk=2, aux_draws=1)
     with pytest.raises(ValueError) as info:
         dm.setup("fit")
     message = str(info.value)
-    assert "\n" not in message and "record_topk=2 needs 'topk'" in message
-    assert "record_aux_draws=1 needs 'aux_draws'" in message and message.startswith("HFGenerateEngine")
+    assert "\n" not in message and "record.topk=2 needs 'topk'" in message
+    assert "record.aux_draws=1 needs 'aux_draws'" in message and message.startswith("HFGenerateEngine")
 
     class SingleTurnOnly(ListEngine):
         capabilities = frozenset()

@@ -17,9 +17,10 @@ from rl_lightning.algorithms import GRPO
 from rl_lightning.envs import EnvError, Environment, Prompt, RewardError, Task
 from rl_lightning.functional import gae
 from rl_lightning.functional.advantages import outcome_token_rewards
-from rl_lightning.rollout import GroupRollout, RolloutBatch, RolloutDataModule
+from rl_lightning.rollout import GroupRollout, PromptFormat, RolloutBatch, RolloutDataModule, Sampling
 from tests.rollout.rollout_helpers import fake_trainer
 from tests.tolerances import decoder_logprob_bound
+from tests.helpers.settings import data_kwargs
 
 
 class CountdownEnv(Environment):
@@ -64,8 +65,8 @@ def module() -> GRPO:
 
 def rollout(module: GRPO, strategy: GroupRollout, task: Task | None = None, step: int = 0,
             **kwargs: Any) -> RolloutBatch:
-    dm = RolloutDataModule(task=task or CountdownTask(), prompts_per_step=2, group_size=3, max_new_tokens=3,
-                           strategy=strategy, **kwargs)
+    dm = RolloutDataModule(**data_kwargs(task=task or CountdownTask(), prompts_per_step=2, group_size=3,
+                                         strategy=strategy, sampling=Sampling(max_new_tokens=3), **kwargs))
     dm.trainer = fake_trainer(module)
     dm.cursor = step
     return dm.rollout(dm.prompt_batch(step))
@@ -182,7 +183,7 @@ def test_a_failed_branch_episode_returns_zero_too(module, monkeypatch):
     env.step("x")
     strategy = BranchRollout(n=3, max_turns=2, env_errors="fail_episode")
     dm = RolloutDataModule(task=CountdownTask(fragile=True, pay=1.0), prompts_per_step=1, group_size=3,
-                           max_new_tokens=3, strategy=strategy)
+                           strategy=strategy, sampling=Sampling(max_new_tokens=3))
     dm.trainer = fake_trainer(module)
     strategy.set_branches([Branch(Prompt("go:"), [], env.snapshot(), turns=[("x", "n1:")])])
     batch = dm.rollout(dm.prompt_batch(0))
@@ -223,8 +224,8 @@ def test_the_single_turn_and_the_episode_path_mark_truncation_alike(max_turns):
     module = GRPO(model_name_or_path="embedded:arithmetic")  # answers <= 3 digits, then EOS, within 4 tokens
 
     def truncated(ending: str) -> list[bool]:
-        dm = RolloutDataModule(task=EndingTask(ending), prompts_per_step=4, group_size=2, max_new_tokens=4,
-                               strategy=GroupRollout(max_turns=max_turns))
+        dm = RolloutDataModule(task=EndingTask(ending), prompts_per_step=4, group_size=2,
+                               strategy=GroupRollout(max_turns=max_turns), sampling=Sampling(max_new_tokens=4))
         dm.trainer = fake_trainer(module)
         return dm.rollout(dm.prompt_batch(0)).truncated.tolist()
 
@@ -346,9 +347,9 @@ def conversation_ids(tokenizer, batch: RolloutBatch, row: int, observations: lis
 def test_with_a_chat_template_the_trajectory_is_the_templates_rendering_of_the_conversation(turn_tokens):
     module = GRPO(model_name_or_path="embedded:arithmetic")  # answers digits then EOS: no special ids mid-turn
     module.tokenizer.chat_template = CHAT_TEMPLATE
-    dm = RolloutDataModule(task=CountdownTask(), prompts_per_step=2, group_size=4, max_new_tokens=4,
-                           use_chat_template=True,
-                           strategy=GroupRollout(max_turns=3, max_turn_tokens=turn_tokens, max_episode_tokens=60))
+    dm = RolloutDataModule(task=CountdownTask(), prompts_per_step=2, group_size=4,
+                           strategy=GroupRollout(max_turns=3, max_turn_tokens=turn_tokens, max_episode_tokens=60),
+                           sampling=Sampling(max_new_tokens=4), prompt_format=PromptFormat(use_chat_template=True))
     dm.trainer = fake_trainer(module)
     batch = dm.rollout(dm.prompt_batch(0))  # sampled (seeded): some turns are cut before EOS at 1 token
     assert (batch.num_turns == 3).all()
@@ -410,11 +411,11 @@ def test_ppo_advantages_skip_observation_tokens(module):
 
 
 def test_extra_sampler_outputs_on_episodes_sit_at_the_sampled_positions(module):
-    """record_topk / record_aux_draws on multi-turn episodes: the sampled ids do not change, the top-k log-probs
+    """record.topk / record.aux_draws on multi-turn episodes: the sampled ids do not change, the top-k log-probs
     are the learner's full-vocabulary log-probs at every sampled position (whatever turn), 0 on observations."""
     strategy = GroupRollout(max_turns=3, max_episode_tokens=30)
     plain = rollout(module, strategy)
-    rich = rollout(module, strategy, record_topk=4, record_aux_draws=3)
+    rich = rollout(module, strategy, topk=4, aux_draws=3)
     assert torch.equal(plain.input_ids, rich.input_ids) and torch.equal(plain.sampler_logprobs, rich.sampler_logprobs)
     n, t = rich.loss_mask.shape
     assert rich.topk_ids.shape == (n, t, 4) and rich.aux_ids.shape == (n, t, 3)
@@ -444,7 +445,8 @@ def test_a_branch_with_a_chat_template_continues_the_templates_rendering_of_the_
     module = GRPO(model_name_or_path="embedded:arithmetic")
     tok = module.tokenizer
     tok.chat_template = NUMBERED_TEMPLATE
-    common = dict(task=CountdownTask(), prompts_per_step=1, group_size=2, max_new_tokens=4, use_chat_template=True)
+    common = dict(task=CountdownTask(), prompts_per_step=1, group_size=2, sampling=Sampling(max_new_tokens=4),
+                  prompt_format=PromptFormat(use_chat_template=True))
     dm = RolloutDataModule(**common, strategy=GroupRollout(max_turns=3, max_episode_tokens=80))
     dm.trainer = fake_trainer(module)
     recorded = dm.rollout(dm.prompt_batch(0))

@@ -10,14 +10,15 @@ import torch
 from rl_lightning import ConfigError
 from rl_lightning.algorithms import GRPO, SPO
 from rl_lightning.envs import GuessNumberTask
-from rl_lightning.rollout import BranchRollout, RolloutDataModule, RolloutInputs, WeightedSampler
+from rl_lightning.rollout import BranchRollout, RolloutDataModule, RolloutInputs, Sampling, WeightedSampler
 from tests.conftest import tiny_datamodule, tiny_trainer
 
 
 def test_each_input_goes_to_the_piece_that_uses_it():
     branches, weights = (lambda step, prompts: []), (lambda prompts: [1.0] * len(prompts))
-    data = RolloutDataModule(task=GuessNumberTask(), prompts_per_step=2, group_size=4, max_new_tokens=3,
-                             strategy=BranchRollout(n=4, max_turns=5), prompt_sampler=WeightedSampler(pool_size=8))
+    data = RolloutDataModule(task=GuessNumberTask(), prompts_per_step=2, group_size=4,
+                             strategy=BranchRollout(n=4, max_turns=5), prompt_sampler=WeightedSampler(pool_size=8),
+                             sampling=Sampling(max_new_tokens=3))
     data.take_inputs(RolloutInputs(branches=branches, prompt_weights=weights), "Mine")
     assert data.strategy._fn is branches and data.prompt_sampler.weight_fn is weights
     data.take_inputs(RolloutInputs())  # nothing declared: nothing changes

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from rl_lightning.rollout import GroupRollout, RolloutDataModule, VLLMEngine, VLLMServerEngine
+from rl_lightning.rollout import GroupRollout, Recording, RolloutDataModule, Sampling, VLLMEngine, VLLMServerEngine
 from rl_lightning.rollout.engine import AUX_DRAWS, IN_PROCESS, SESSIONS, TOPK, SamplingParams
 from rl_lightning.rollout.sessions import ResubmitSession
 from tests.conftest import REPO
@@ -131,13 +131,14 @@ def test_the_vllm_engines_declare_sessions_and_topk_and_refuse_aux_draws_in_one_
     from rl_lightning.envs import ArithmeticTask
     from tests.rollout.rollout_helpers import fake_trainer
 
-    dm = RolloutDataModule(ArithmeticTask(num_heldout=4), prompts_per_step=2, group_size=2, max_new_tokens=4,
-                           engine=VLLMEngine(), strategy=GroupRollout(max_turns=2), record_aux_draws=2)
+    dm = RolloutDataModule(ArithmeticTask(num_heldout=4), prompts_per_step=2, group_size=2, engine=VLLMEngine(),
+                           strategy=GroupRollout(max_turns=2), sampling=Sampling(max_new_tokens=4),
+                           record=Recording(aux_draws=2))
     dm.trainer = fake_trainer(GRPO(model_name_or_path="embedded:random"))
     with pytest.raises(ValueError) as info:
         dm.setup("fit")
     message = str(info.value)
-    assert "\n" not in message and message.startswith("VLLMEngine") and "record_aux_draws=2 needs 'aux_draws'" in \
+    assert "\n" not in message and message.startswith("VLLMEngine") and "record.aux_draws=2 needs 'aux_draws'" in \
         message
 
 

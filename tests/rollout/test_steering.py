@@ -7,7 +7,7 @@ import torch
 
 from rl_lightning.algorithms import GRPO
 from rl_lightning.envs import ArithmeticTask
-from rl_lightning.rollout import RolloutDataModule, SequentialSampler, WeightedSampler
+from rl_lightning.rollout import Evaluation, Recording, RolloutDataModule, Sampling, SequentialSampler, WeightedSampler
 from tests.conftest import tiny_trainer
 from tests.rollout.rollout_helpers import fake_trainer
 
@@ -54,8 +54,9 @@ def test_weights_set_in_a_step_decide_the_next_steps_prompts(tmp_path):
     rollout time, with the weights as the previous update left them (not a step ahead)."""
     module = _Steer(model_name_or_path="embedded:random")
     module.drawn = []
-    dm = RolloutDataModule(task=ArithmeticTask(num_heldout=4), prompts_per_step=2, group_size=2, max_new_tokens=2,
-                           prompt_sampler=WeightedSampler(pool_size=6, replacement=True))
+    dm = RolloutDataModule(task=ArithmeticTask(num_heldout=4), prompts_per_step=2, group_size=2,
+                           prompt_sampler=WeightedSampler(pool_size=6, replacement=True),
+                           sampling=Sampling(max_new_tokens=2))
     tiny_trainer(tmp_path, max_steps=4).fit(module, datamodule=dm)
     assert module.drawn[1:] == [[1], [2], [3]]
 
@@ -69,9 +70,10 @@ def test_extra_sampler_outputs_leave_the_sampled_tokens_unchanged():
     torch.manual_seed(0)
     module = GRPO(model_name_or_path="embedded:random")
     task = ArithmeticTask(num_heldout=4)
-    plain = _bound(RolloutDataModule(task=task, prompts_per_step=2, group_size=2, max_new_tokens=4), module)
-    rich = _bound(RolloutDataModule(task=task, prompts_per_step=2, group_size=2, max_new_tokens=4, record_topk=3,
-                                    record_aux_draws=5), module)
+    plain = _bound(RolloutDataModule(task=task, prompts_per_step=2, group_size=2,
+                                     sampling=Sampling(max_new_tokens=4)), module)
+    rich = _bound(RolloutDataModule(task=task, prompts_per_step=2, group_size=2, sampling=Sampling(max_new_tokens=4),
+                                    record=Recording(topk=3, aux_draws=5)), module)
     a, b = plain.rollout(plain.prompt_batch(0)), rich.rollout(rich.prompt_batch(0))
     assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.sampler_logprobs, b.sampler_logprobs)
     assert a.topk_ids is None and a.aux_ids is None
@@ -122,8 +124,8 @@ def test_branching_continues_n_times_from_a_saved_state_and_prefix(monkeypatch):
     prefix = tok("99", add_special_tokens=False)["input_ids"] + [tok.eos_token_id] + tok(
         observation, add_special_tokens=False)["input_ids"]
     strategy = BranchRollout(n=3, max_turns=2, max_episode_tokens=30)
-    dm = _bound(RolloutDataModule(task=task, prompts_per_step=1, group_size=3, max_new_tokens=3,
-                                  strategy=strategy), module)
+    dm = _bound(RolloutDataModule(task=task, prompts_per_step=1, group_size=3, strategy=strategy,
+                                  sampling=Sampling(max_new_tokens=3)), module)
     strategy.set_branches([Branch(prompt, prefix, env.snapshot()),
                            Branch(prompt, tok("1", add_special_tokens=False)["input_ids"], None,
                                   pending_ids=tok("1", add_special_tokens=False)["input_ids"])])
@@ -155,8 +157,8 @@ def test_a_branch_rows_prompt_index_is_its_prompts_stream_index():
     module = GRPO(model_name_or_path="embedded:random")
     task = GuessNumberTask()
     strategy = BranchRollout(n=2, max_turns=2)
-    dm = _bound(RolloutDataModule(task=task, prompts_per_step=1, group_size=2, max_new_tokens=3,
-                                  strategy=strategy), module)
+    dm = _bound(RolloutDataModule(task=task, prompts_per_step=1, group_size=2, strategy=strategy,
+                                  sampling=Sampling(max_new_tokens=3)), module)
     dm.cursor = 4  # step 4, from prompts an earlier step drew (stream indices 7 and 3), and one from no stream
     strategy.set_branches([Branch(task.train_prompt(7), prompt_index=7), Branch(task.train_prompt(3), prompt_index=3),
                            Branch(task.heldout_prompts()[0])])
@@ -175,8 +177,9 @@ def test_branch_rollout_plays_held_out_episodes_with_the_tasks_limits_not_the_br
     module = GRPO(model_name_or_path="embedded:guess")
 
     def heldout(strategy):
-        dm = _bound(RolloutDataModule(task=GuessNumberTask(), prompts_per_step=1, group_size=2, max_new_tokens=3,
-                                      val_batch_size=31, strategy=strategy), module)
+        dm = _bound(RolloutDataModule(task=GuessNumberTask(), prompts_per_step=1, group_size=2, strategy=strategy,
+                                      sampling=Sampling(max_new_tokens=3), evaluation=Evaluation(batch_size=31)),
+                    module)
         (batch,) = dm.val_prompt_batches()
         return dm.rollout(batch)
 

@@ -21,7 +21,7 @@ from rl_lightning.algorithms import GRPO
 from rl_lightning.envs import GuessNumberTask
 from rl_lightning.functional.logprobs import sampling_log_softmax
 from rl_lightning.models.policy import load_policy
-from rl_lightning.rollout import GroupRollout, RolloutDataModule, VLLMEngine
+from rl_lightning.rollout import GroupRollout, RolloutDataModule, Sampling, VLLMEngine
 from rl_lightning.rollout.engine import SamplingParams
 from tests.conftest import REPO
 from tests.rollout.rollout_helpers import fake_trainer
@@ -180,8 +180,9 @@ def test_a_multi_turn_guess_episode_through_vllm_has_exactly_the_conversations_t
     engine._complete = recording
     try:
         task = GuessNumberTask(low=1, high=31, max_guesses=5, seed=1234)
-        dm = RolloutDataModule(task, prompts_per_step=4, group_size=2, max_new_tokens=3, engine=engine,
-                               strategy=GroupRollout(max_turns=5, max_episode_tokens=32), seed=0)
+        dm = RolloutDataModule(task, prompts_per_step=4, group_size=2, engine=engine,
+                               strategy=GroupRollout(max_turns=5, max_episode_tokens=32), seed=0,
+                               sampling=Sampling(max_new_tokens=3))
         dm.trainer = fake_trainer(GRPO(model_name_or_path="embedded:guess"))
         dm.setup("fit")
         batch = dm.rollout(dm.prompt_batch(0))

@@ -18,7 +18,7 @@ import torch
 from rl_lightning.algorithms import GRPO
 from rl_lightning.envs import ArithmeticTask
 from rl_lightning.models.policy import load_policy
-from rl_lightning.rollout import RolloutDataModule, VLLMEngine, VLLMServerEngine
+from rl_lightning.rollout import AsyncRollout, RolloutDataModule, Sampling, VLLMEngine, VLLMServerEngine
 from rl_lightning.rollout.engine import SamplingParams
 from tests.conftest import REPO
 from tests.rollout.rollout_helpers import fake_trainer
@@ -102,8 +102,9 @@ def test_the_server_feeds_the_asynchronous_producer_within_the_staleness_bound()
     torch.manual_seed(0)
     module = GRPO(model_name_or_path="embedded:random")
     version = [0]
-    dm = RolloutDataModule(ArithmeticTask(num_heldout=4), prompts_per_step=2, group_size=2, max_new_tokens=3,
-                           async_queue=3, max_staleness=1, engine=VLLMServerEngine())
+    dm = RolloutDataModule(ArithmeticTask(num_heldout=4), prompts_per_step=2, group_size=2,
+                           engine=VLLMServerEngine(), sampling=Sampling(max_new_tokens=3),
+                           async_rollout=AsyncRollout(queue=3, max_staleness=1))
     dm.trainer = _Trainer(fake_trainer(module), version)
     try:
         dm.rollout(type("B", (), {"split": "train", "step": 0, "prompts": []})())
@@ -125,7 +126,8 @@ def test_the_server_feeds_the_asynchronous_producer_within_the_staleness_bound()
 def _fit(tmp_path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "rl_lightning", "fit", "--config", str(REPO / "configs" / "grpo.yaml"), "--config",
-         str(REPO / "configs" / "presets" / "vllm_server.yaml"), "--data.init_args.num_val_prompts", "16", *extra],
+         str(REPO / "configs" / "presets" / "vllm_server.yaml"), "--data.init_args.evaluation.num_prompts", "16",
+         *extra],
         cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO),
                            "RL_LIGHTNING_VLLM_PYTHON": sys.executable},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
