@@ -41,6 +41,19 @@ class PromptBatch:
 
 
 @dataclass(frozen=True)
+class StepRequest:
+    """What the training loader yields: the stream step whose rollout is due. The data module makes that rollout
+    when Lightning hands the request over (``RolloutDataModule.on_after_batch_transfer``, right before
+    ``training_step``) and draws the step's prompts then, not when the loader prefetches the request a step
+    ahead, so prompt weights a method sets in step ``k - 1`` decide step ``k``'s draw."""
+
+    step: int
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> StepRequest:  # noqa: ARG002
+        return self  # nothing to move
+
+
+@dataclass(frozen=True)
 class EndState:
     """Where an episode that was cut (not terminated) stopped: everything needed to continue it without replaying
     it (``BranchRollout``'s ``Branch.from_rollout(batch, row)``).

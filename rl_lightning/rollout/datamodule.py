@@ -1,8 +1,9 @@
 """``RolloutDataModule``: prompts from a seeded, rank-sharded stream, turned into rollouts on the device.
 
-The data loader yields cheap ``PromptBatch`` objects. Right after Lightning moves a batch to the device
-(``on_after_batch_transfer``, i.e. just before ``training_step``), the data module generates ``group_size``
-responses per prompt with the *sampler*, scores them, and hands the algorithm a ``RolloutBatch``. Generation
+The training loader yields a ``StepRequest`` per step (the held-out loader ``PromptBatch`` objects). Right after
+Lightning moves one to the device (``on_after_batch_transfer``, i.e. just before ``training_step``), the data
+module draws the step's prompts, generates ``group_size`` responses per prompt with the *sampler*, scores them,
+and hands the algorithm a ``RolloutBatch``: the one hand-over from data to step. Generation
 therefore lives here, serves every method alike, and never runs ahead of the update that precedes it.
 
 The module it trains must expose ``policy`` (a Hugging Face causal LM) and ``tokenizer`` attributes; ``setup``
@@ -26,7 +27,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from rl_lightning.functional.errors import ConfigError
 from rl_lightning.envs.base import Prompt, RewardFunction, Task
 from rl_lightning.rollout.async_producer import Produced, RolloutProducer
-from rl_lightning.rollout.batch import PromptBatch, RolloutBatch
+from rl_lightning.rollout.batch import PromptBatch, RolloutBatch, StepRequest
 from rl_lightning.rollout.branching import Branch, BranchRollout
 from rl_lightning.rollout.encoding import PromptEncoder
 from rl_lightning.rollout.engine import AUX_DRAWS, TOPK, RolloutEngine, SamplingParams, check_capabilities
@@ -41,15 +42,15 @@ from rl_lightning.rollout.sync import SamplerSync
 
 
 class _TrainStream(IterableDataset):
-    """Endless prompt batches starting at the data module's cursor (so a resumed run continues the stream)."""
+    """Endless ``StepRequest``s starting at the data module's cursor (so a resumed run continues the stream)."""
 
     def __init__(self, datamodule: RolloutDataModule) -> None:
         self.datamodule = datamodule
 
-    def __iter__(self) -> Iterator[PromptBatch]:
+    def __iter__(self) -> Iterator[StepRequest]:
         step = self.datamodule.cursor
-        while True:  # the prompts are chosen when the step's rollout starts (the loader prefetches a step ahead)
-            yield PromptBatch("train", step, [], [])
+        while True:  # the prompts are drawn when the step's rollout starts (the loader prefetches a step ahead)
+            yield StepRequest(step)
             step += 1
 
 
@@ -288,11 +289,13 @@ class RolloutDataModule(LightningDataModule):
 
     # ------------------------------------------------------------------ rollouts
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """Where a step's rollout is made: Lightning hands each ``PromptBatch`` of the loader here, on the device.
-        A training step's start is noted first (``step_started``: ``perf/step_time`` counts from it)."""
-        if isinstance(batch, PromptBatch):
-            if batch.split == "train":
-                self.step_started = time.perf_counter()
+        """The hand-over to the step: Lightning passes each item of the loaders here, on the device, right before
+        ``training_step`` (or the validation step), and it becomes the ``RolloutBatch`` the step receives: a
+        training ``StepRequest`` (whose start is noted first: ``step_started``, from which ``perf/step_time``
+        counts) or a held-out ``PromptBatch``."""
+        if isinstance(batch, StepRequest):
+            self.step_started = time.perf_counter()
+        if isinstance(batch, (StepRequest, PromptBatch)):
             return self.rollout(batch)
         return batch
 
@@ -346,11 +349,12 @@ class RolloutDataModule(LightningDataModule):
         context = replace(self.context(self.sync.current(policy, self._version()), batch, device), group_size=n)
         return self.strategy.rollout(context, batch)
 
-    def rollout(self, batch: PromptBatch) -> RolloutBatch:
-        """Generate and score responses for ``batch`` on the policy's device."""
+    def rollout(self, batch: StepRequest | PromptBatch) -> RolloutBatch:
+        """Generate and score responses on the policy's device: for a ``StepRequest`` the step's training rollout
+        (its prompts drawn now, with the sampler's weights of this moment), or for ``batch``'s prompts."""
         policy, _ = self._learner()
         device = next(policy.parameters()).device
-        train = batch.split == "train"
+        train = isinstance(batch, StepRequest) or batch.split == "train"
         if train and batch.step != self.cursor:
             raise RuntimeError(f"prompt stream out of sync: batch for step {batch.step}, cursor at {self.cursor}")
         if train and self._injected:
@@ -361,7 +365,7 @@ class RolloutDataModule(LightningDataModule):
             start = time.perf_counter()
             produced = self._take_produced().batch.to(device)
             return self._counted(replace(produced, rollout_time=time.perf_counter() - start, reward_time=0.0))
-        if train and not batch.prompts:  # drawn now, with the sampler's weights of this moment
+        if isinstance(batch, StepRequest):
             self._extra_draws_at_step = self.extra_draws
             batch = self.prompt_batch(batch.step + self.extra_draws)  # the stream's next draw
         engine = self.sync.for_step(policy, self.cursor) if train else self.sync.current(policy, self._version())

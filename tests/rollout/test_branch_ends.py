@@ -14,7 +14,7 @@ from rl_lightning.rollout import (
     Branch, BranchRollout, BranchStore, GroupRollout, PromptBatch, RolloutDataModule,
 )
 from rl_lightning.rollout.branching import BRANCH_PREFIX_TOKENS
-from rl_lightning.rollout import Evaluation, PromptFormat, Sampling
+from rl_lightning.rollout import Evaluation, PromptFormat, Sampling, StepRequest
 from tests.rollout.rollout_helpers import fake_trainer
 
 
@@ -179,7 +179,7 @@ def test_the_strategy_owns_the_group_size_and_branches_from_gets_the_steps_promp
         return [Branch(p, prompt_index=i) for i, p in zip(prompts.indices, prompts.prompts)]
 
     strategy.branches_from(from_prompts)
-    batch = dm.rollout(PromptBatch("train", 0, [], []))  # the loader's placeholder: the data module draws
+    batch = dm.rollout(StepRequest(0))  # what the loader yields: the data module draws the step's prompts
     ((step, prompts),) = seen
     assert step == 0 and prompts.indices == dm.prompt_batch(0).indices == [0, 1]
     assert batch.prompt_index.tolist() == [0, 0, 1, 1]

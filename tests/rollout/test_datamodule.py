@@ -11,7 +11,8 @@ from rollout_helpers import ScriptedLM, char_tokenizer_specials_last, fake_train
 from rl_lightning.algorithms import GRPO
 from rl_lightning.envs import ArithmeticTask, ExactMatchReward, Prompt, RewardError, RewardFunction
 from rl_lightning.rollout import (
-    AsyncRollout, Evaluation, PromptBatch, Recording, RolloutBatch, RolloutDataModule, Sampling, position_ids_from_mask,
+    AsyncRollout, Evaluation, Recording, RolloutBatch, RolloutDataModule, Sampling, StepRequest,
+    position_ids_from_mask,
 )
 from tests.tolerances import decoder_logprob_bound
 from tests.helpers.settings import data_kwargs
@@ -110,9 +111,8 @@ def test_train_dataloader_starts_at_cursor():
     dm.cursor = 5
     it = iter(dm.train_dataloader())
     first, second = next(it), next(it)
-    assert isinstance(first, PromptBatch) and (first.step, second.step) == (5, 6)
     # the loader only names the step: its prompts are drawn when the rollout starts (after the previous update)
-    assert first.prompts == [] and dm.prompt_batch(first.step).indices == [10, 11]
+    assert (first, second) == (StepRequest(5), StepRequest(6)) and dm.prompt_batch(first.step).indices == [10, 11]
 
 
 def test_needs_a_module_with_policy_and_tokenizer():
