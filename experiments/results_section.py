@@ -28,6 +28,8 @@ STUDIES = (
               "each with its ablation"),
     ("reach_critics", "Reach the target: AC2 with its value-token critic on the policy's weights and on weights of "
                       "its own (300 steps)"),
+    ("reach_tuned", "Reach the target with settings tuned on validation: AC2 (critic on weights of its own) and "
+                    "CoPE (η 0.001), each with its ablation"),
     ("running_sum", "Running sums written out (long responses): GRPO, and EasyPPO and BPCO with their ablations"),
     ("smollm2_lora", "SmolLM2-135M-Instruct with LoRA adapters: GRPO on word problems, 200 test problems"),
 )
