@@ -168,7 +168,7 @@ class HeldoutEvaluation(Callback):
         if not trainer.is_global_zero or log_dir is None or not self.items:
             return
         datamodule = getattr(trainer, "datamodule", None)
-        split = datamodule.evaluation.split if datamodule is not None else "test"
+        split = getattr(getattr(datamodule, "evaluation", None), "split", "test")  # another data module class: test
         lines = ["step,split,item,reward"] + [f"{step},{split},{i},{r!r}" for step in sorted(self.items)
                                                for i, r in enumerate(self.items[step])]
         path = Path(log_dir) / self.ITEMS_FILE

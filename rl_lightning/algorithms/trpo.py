@@ -173,7 +173,7 @@ class TRPO(RLModule):
         if self.trainer.world_size > 1:
             raise ValueError(f"TRPO runs in a single process (the CG step is not distributed), got "
                              f"world_size={self.trainer.world_size}")
-        top_p = datamodule.sampling.top_p
+        top_p = getattr(getattr(datamodule, "sampling", None), "top_p", 1.0)  # another data module class: untruncated
         if top_p < 1.0:
             rank_zero_warn(
                 f"TRPO with data.init_args.sampling.top_p={top_p}: the trust region is measured between the "

@@ -308,16 +308,18 @@ class RolloutDataModule(LightningDataModule):
         """The sampling settings of ``batch``: a training batch's draws (and its auxiliary draws) seeded by
         ``(seed, rank, step)``, so an asynchronous batch is the synchronous batch of its step, and every rank
         resumes its own stream with no state to checkpoint; a held-out batch greedy."""
-        tok = self.tokenizer
-        s = self.sampling
-        common = dict(max_tokens=s.max_new_tokens, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                      temperature=s.temperature, top_p=s.top_p)
         if batch.split != "train":
-            return SamplingParams(**common, greedy=True)
+            return self._params(greedy=True)
         rank, _ = self._world()
         seed = (self.seed * 1_000_003 + rank) * 1_000_033 + batch.step
-        return SamplingParams(**common, seed=seed, topk=self.record.topk, aux_draws=self.record.aux_draws,
-                              aux_seed=seed * 31 + 7 if self.record.aux_draws else None)
+        return self._params(seed=seed, topk=self.record.topk, aux_draws=self.record.aux_draws,
+                            aux_seed=seed * 31 + 7 if self.record.aux_draws else None)
+
+    def _params(self, **extra: Any) -> SamplingParams:
+        """``SamplingParams`` of the ``sampling`` settings and the tokenizer's EOS and pad ids, plus ``extra``."""
+        tok, s = self.tokenizer, self.sampling
+        return SamplingParams(max_tokens=s.max_new_tokens, eos_token_id=tok.eos_token_id,
+                              pad_token_id=tok.pad_token_id, temperature=s.temperature, top_p=s.top_p, **extra)
 
     def context(self, engine: RolloutEngine, batch: PromptBatch, device: torch.device) -> RolloutContext:
         """What the strategy makes ``batch``'s rollout with; a new rollout starts, so ``failed_rollout`` is
@@ -505,10 +507,7 @@ class RolloutDataModule(LightningDataModule):
                                  env_errors=plan.env_errors, carry_cache=plan.carry_cache)
         rank, _ = self._world()
         seed = ((self.seed * 1_000_003 + rank) * 1_000_033 + self.cursor) * 7 + 5 if seed is None else seed
-        tok = encoder.tokenizer
-        params = SamplingParams(max_tokens=self.sampling.max_new_tokens, eos_token_id=tok.eos_token_id,
-                                pad_token_id=tok.pad_token_id, temperature=self.sampling.temperature,
-                                top_p=self.sampling.top_p, greedy=greedy, seed=None if greedy else seed)
+        params = self._params(greedy=greedy, seed=None if greedy else seed)
         engine = (self.sync.for_step(policy, max(self.cursor - 1, 0)) if sampler
                   else self.sync.current(policy, self._version()))
         ctx = RolloutContext(encoder, engine, self.task, self.reward_fn, params, n, self.seed, device)
