@@ -277,6 +277,6 @@ def test_the_config_stacks_with_the_guess_preset(tmp_path, monkeypatch):
                      str(REPO / "configs" / "tasks" / "guess.yaml"), f"--trainer.default_root_dir={tmp_path}"],
                     run=False)
     assert isinstance(cli.model, CoPE) and isinstance(cli.datamodule.task, GuessNumberTask)
-    assert (cli.model.forecast_coef, cli.model.forecast_horizon, cli.model.success_threshold) == (0.01, 2, 1.0)
+    assert (cli.model.forecast_coef, cli.model.forecast_horizon, cli.model.success_threshold) == (0.001, 2, 1.0)
     assert cli.model.hparams.model_name_or_path == "embedded:guess"
     assert cli.config.trainer.logger.init_args.name == "guess"  # the task preset names its runs (runs/guess)
