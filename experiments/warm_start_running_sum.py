@@ -185,7 +185,7 @@ def sampled_facts(task: RunningSumTask, model: PreTrainedModel, tokenizer: PreTr
         truncated.append(batch.truncated.float())
         lengths.append(batch.loss_mask.sum(dim=1).float())
         mask = batch.loss_mask.bool()
-        tail = 1 - batch.topk_logprobs.exp().sum(dim=-1)  # [N, T]
+        tail = 1 - batch.record.topk_logprobs.exp().sum(dim=-1)  # [N, T]
         tails.append(tail[mask])
         response = batch.input_ids[:, batch.prompt_length:]
         after_eq = torch.zeros_like(mask)

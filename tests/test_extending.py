@@ -161,8 +161,8 @@ def test_the_head_kl_example_adds_the_sampler_head_kl_from_the_same_forward():
     loss = plain + term
     logits = module.policy(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                            position_ids=(batch.attention_mask.cumsum(-1) - 1).clamp(min=0)).logits
-    logp = torch.log_softmax(logits[:, batch.prompt_length - 1:-1], dim=-1).gather(-1, batch.topk_ids)
-    q_log = batch.topk_logprobs
+    logp = torch.log_softmax(logits[:, batch.prompt_length - 1:-1], dim=-1).gather(-1, batch.record.topk_ids)
+    q_log = batch.record.topk_logprobs
     want = 0.5 * ((q_log.exp() * (q_log - logp)).sum(-1) * batch.loss_mask * weights).sum()
     assert want.item() > 0  # the sampler's head KL is positive off-policy
     # the module's log-probs come from another forward (other shapes) of the same weights: within δ each, which

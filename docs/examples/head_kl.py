@@ -29,12 +29,12 @@ class HeadKL(REINFORCE):
 
     @override
     def extra_logprob_ids(self, batch: RolloutBatch) -> Tensor | None:
-        return batch.topk_ids  # -> out.extra_logprobs [n, T, k], from the same forward, with gradient
+        return batch.record.topk_ids  # -> out.extra_logprobs [n, T, k], from the same forward, with gradient
 
     @override
     def extra_losses(self, batch: RolloutBatch, out: PolicyOutput, adv: Advantages,
                      weights: Tensor) -> list[tuple[Tensor, dict]]:
-        q_log = batch.topk_logprobs
+        q_log = batch.record.topk_logprobs
         kl = (q_log.exp() * (q_log - out.extra_logprobs)).sum(-1) * batch.loss_mask
         term = self.head_kl_coef * aggregate(kl, weights)
         return [(term, {"train/head_kl_loss": Summed(term.detach())})]  # Summed: a share of the step's loss

@@ -31,8 +31,8 @@ PlannedStep = tuple[int, int, Tensor, list[Tensor]]
 
 
 #: the per-token ``RolloutBatch`` fields (second dimension ``T``) that ``trim_padding`` cuts with the response
-_TOKEN_FIELDS = ("loss_mask", "sampler_logprobs", "obs_mask", "ref_logprobs", "proximal_logprobs", "turn_index",
-                 "topk_ids", "topk_logprobs", "aux_ids")
+#: (and every tensor of ``batch.record``)
+_TOKEN_FIELDS = ("loss_mask", "sampler_logprobs", "obs_mask", "ref_logprobs", "proximal_logprobs", "turn_index")
 
 
 def trim_padding(batch: RolloutBatch) -> RolloutBatch:
@@ -61,7 +61,8 @@ def trim_padding(batch: RolloutBatch) -> RolloutBatch:
     width = min(width, t)
     cut = {name: getattr(batch, name)[:, :width] for name in _TOKEN_FIELDS if getattr(batch, name) is not None}
     return replace(batch, input_ids=batch.input_ids[:, left:p + width],
-                   attention_mask=batch.attention_mask[:, left:p + width], prompt_length=p - left, **cut)
+                   attention_mask=batch.attention_mask[:, left:p + width], prompt_length=p - left, **cut,
+                   record=batch.record.map(lambda value: value[:, :width]))
 
 
 

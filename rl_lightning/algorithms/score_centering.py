@@ -66,20 +66,21 @@ class ScoreCentering(PolicyGradient):
 
     @override
     def extra_logprob_ids(self, batch: RolloutBatch) -> Tensor | None:
-        return batch.topk_ids
+        return batch.record.topk_ids
 
     @override
     def policy_loss(self, batch: RolloutBatch, out: PolicyOutput, adv: Advantages,
                     weights: Tensor) -> tuple[Tensor, Metrics]:
         advantages = adv.advantages
-        if batch.topk_logprobs is None or out.extra_logprobs is None:
+        if batch.record.topk_logprobs is None or out.extra_logprobs is None:
             raise RuntimeError("ScoreCentering: the batch has no recorded top-k (data.init_args.record.topk)")
         loss, stats = score_centered_loss(
-            out.logprobs, out.extra_logprobs, batch.sampler_logprobs, batch.topk_logprobs, advantages,
+            out.logprobs, out.extra_logprobs, batch.sampler_logprobs, batch.record.topk_logprobs, advantages,
             batch.loss_mask, weights, self.importance_cap, self.tail_eps,
         )
-        rho = tail_ratio(out.extra_logprobs, batch.topk_logprobs, self.tail_eps)
+        rho = tail_ratio(out.extra_logprobs, batch.record.topk_logprobs, self.tail_eps)
+        head = head_mass(batch.record.topk_logprobs, batch.loss_mask)
         return loss, {
-            **score_metrics(stats), "train/head_mass": TokenMean(head_mass(batch.topk_logprobs, batch.loss_mask)),
+            **score_metrics(stats), "train/head_mass": TokenMean(head),
             "train/tail_ratio": TokenMean(masked_mean(rho, batch.loss_mask)),
         }

@@ -50,13 +50,13 @@ class StableReinforce(PolicyGradient):
 
     @override
     def extra_logprob_ids(self, batch: RolloutBatch) -> Tensor | None:
-        return batch.aux_ids
+        return batch.record.aux_ids
 
     @override
     def policy_loss(self, batch: RolloutBatch, out: PolicyOutput, adv: Advantages,
                     weights: Tensor) -> tuple[Tensor, Metrics]:
         advantages = adv.advantages
-        if batch.aux_ids is None or out.extra_logprobs is None:
+        if batch.record.aux_ids is None or out.extra_logprobs is None:
             raise RuntimeError("StableReinforce: the batch has no auxiliary draws (data.init_args.record.aux_draws)")
         loss, stats = mc_centered_loss(out.logprobs, out.extra_logprobs, advantages, batch.loss_mask, weights)
         return loss, score_metrics(stats)

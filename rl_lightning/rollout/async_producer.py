@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from rl_lightning.envs.base import Prompt
-from rl_lightning.rollout.batch import EndState, RolloutBatch
+from rl_lightning.rollout.batch import EndState, RolloutBatch, SamplerRecord
 from rl_lightning.rollout.engine import RolloutEngine
 from rl_lightning.rollout.sync import SamplerSync
 
@@ -115,6 +115,7 @@ class RolloutProducer:
         """``batch`` as tensors and plain values only (a checkpoint loads with ``weights_only=True``)."""
         state = {f.name: getattr(batch, f.name) for f in fields(batch)}
         state["prompts"] = [p.to_state() for p in batch.prompts]
+        state["record"] = {k: v.to("cpu") for k, v in batch.record.tensors().items()}
         if batch.end_states is not None:
             state["end_states"] = [None if e is None else e.to_state() for e in batch.end_states]
         return {k: (v.to("cpu") if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
@@ -122,6 +123,10 @@ class RolloutProducer:
     @staticmethod
     def _unpack(state: dict[str, Any], device: torch.device | str) -> RolloutBatch:
         values = dict(state, prompts=[Prompt.from_state(p) for p in state["prompts"]])
+        # the record's tensors (a checkpoint written before they were grouped holds them as fields of the batch)
+        record = {**values.pop("record", {}),
+                  **{f.name: values.pop(f.name) for f in fields(SamplerRecord) if f.name in values}}
+        values["record"] = SamplerRecord(**{k: v for k, v in record.items() if v is not None})
         if values.get("end_states") is not None:
             values["end_states"] = [None if e is None else EndState.from_state(e) for e in values["end_states"]]
         return RolloutBatch(**values).to(device)

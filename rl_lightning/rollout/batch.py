@@ -7,7 +7,7 @@ Shapes: ``N`` rows (= prompts × ``group_size``; groups are contiguous), ``P`` p
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import torch
 from torch import Tensor
@@ -88,10 +88,41 @@ class EndState:
         return cls(**{**state, "turns": [tuple(t) for t in state["turns"]]})
 
 
+@dataclass(frozen=True)
+class SamplerRecord:
+    """What the sampler recorded at each generated position besides the sampled token's log-prob: the data
+    module's ``record`` settings (docs/architecture.md). Each tensor is ``None`` unless asked for, and 0 at
+    positions that were not sampled (padding, observations).
+
+    Attributes:
+        topk_ids, topk_logprobs: ``[N, T, k]`` the sampling distribution's k most likely ids and their log-probs,
+            normalised over the full vocabulary, most likely first (``record.topk``; Score Centering).
+        aux_ids: ``[N, T, K]`` K extra draws from the sampling distribution, independent of the sampled token
+            (``record.aux_draws``; StableReinforce).
+    """
+
+    topk_ids: Tensor | None = None
+    topk_logprobs: Tensor | None = None
+    aux_ids: Tensor | None = None
+
+    @classmethod
+    def of(cls, gen: Any) -> SamplerRecord:
+        """The record of an engine's ``Generation`` (or an episode generation): its fields of the same names."""
+        return cls(*(getattr(gen, f.name, None) for f in fields(cls)))
+
+    def tensors(self) -> dict[str, Tensor]:
+        """The recorded tensors by name (the ones not ``None``)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    def map(self, fn: Callable[[Tensor], Tensor]) -> SamplerRecord:
+        """The record with ``fn`` applied to every recorded tensor (move, slice, cut)."""
+        return replace(self, **{name: fn(value) for name, value in self.tensors().items()})
+
+
 # Per-row tensors whose first dimension is N, moved and sliced together. Optional ones may be None.
 _ROW_TENSORS = (
     "input_ids", "attention_mask", "loss_mask", "sampler_logprobs", "rewards", "prompt_index", "truncated",
-    "obs_mask", "ref_logprobs", "proximal_logprobs", "topk_ids", "topk_logprobs", "aux_ids",
+    "obs_mask", "ref_logprobs", "proximal_logprobs",
     "turn_index",
     "num_turns", "turn_rewards", "prompt_id", "terminated",
 )
@@ -120,8 +151,8 @@ class RolloutBatch:
         proximal_logprobs: ``[N, T]`` the learner's log-probs before this batch's update (the proximal policy of a
             decoupled objective, e.g. GRPO with truncated importance sampling), filled in by ``RLModule.update``
             for a method that declares ``needs_proximal_logprobs`` when the update takes several optimiser steps.
-        topk_ids, topk_logprobs: ``[N, T, k]`` the sampler's top-k ids/log-probs (Score Centering), optional.
-        aux_ids: ``[N, T, K]`` K auxiliary draws per position (StableReinforce), optional.
+        record: what the sampler recorded beyond each token's log-prob (``SamplerRecord``: top-k ids and
+            log-probs, auxiliary draws), each tensor ``None`` unless the data module's ``record`` settings ask.
         turn_index: ``[N, T]`` the turn (0, 1, ...) of every model-generated token, -1 elsewhere (episodes).
         num_turns: ``[N]`` model turns of each episode.
         turn_rewards: ``[N, K]`` the reward of each turn (NaN after the episode's last); ``rewards`` is their sum.
@@ -155,9 +186,7 @@ class RolloutBatch:
     obs_mask: Tensor | None = None
     ref_logprobs: Tensor | None = None
     proximal_logprobs: Tensor | None = None
-    topk_ids: Tensor | None = None
-    topk_logprobs: Tensor | None = None
-    aux_ids: Tensor | None = None
+    record: SamplerRecord = field(default_factory=SamplerRecord)
     turn_index: Tensor | None = None
     num_turns: Tensor | None = None
     turn_rewards: Tensor | None = None
@@ -183,10 +212,9 @@ class RolloutBatch:
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != shape:
                 raise ValueError(f"RolloutBatch.{name} has shape {tuple(value.shape)}, expected {shape}")
-        for name in ("topk_ids", "topk_logprobs", "aux_ids"):
-            value = getattr(self, name)
-            if value is not None and (value.dim() != 3 or tuple(value.shape[:2]) != (n, t)):
-                raise ValueError(f"RolloutBatch.{name} has shape {tuple(value.shape)}, expected ({n}, {t}, k)")
+        for name, value in self.record.tensors().items():
+            if value.dim() != 3 or tuple(value.shape[:2]) != (n, t):
+                raise ValueError(f"RolloutBatch.record.{name} has shape {tuple(value.shape)}, expected ({n}, {t}, k)")
         if self.turn_rewards is not None and (self.turn_rewards.dim() != 2 or self.turn_rewards.shape[0] != n):
             raise ValueError(f"RolloutBatch.turn_rewards has shape {tuple(self.turn_rewards.shape)}, expected ({n}, K)")
         for name, value in self.extras.items():
@@ -219,8 +247,8 @@ class RolloutBatch:
         """The batch of left-padded prompts ``[N, P]`` followed by an engine's ``Generation`` (``[N, T]``).
 
         ``input_ids``/``attention_mask`` are prompt and response side by side, ``loss_mask`` is the
-        generation's mask (EOS included), ``sampler_logprobs`` its recorded log-probs; ``fields`` sets any
-        other field (texts, timings, optional tensors).
+        generation's mask (EOS included), ``sampler_logprobs`` its recorded log-probs, ``record`` what else it
+        recorded (``SamplerRecord.of``); ``fields`` sets any other field (texts, timings, optional tensors).
         """
         observed = getattr(gen, "obs_mask", None)  # episodes: observation ids are context too
         response_attention = gen.mask if observed is None else (gen.mask.bool() | observed.bool()).long()
@@ -236,17 +264,16 @@ class RolloutBatch:
             truncated=gen.truncated,
             temperature=temperature,
             top_p=top_p,
+            record=SamplerRecord.of(gen),
             **fields,
         )
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> RolloutBatch:
-        moved = {
-            name: getattr(self, name).to(device, non_blocking=non_blocking)
-            for name in _ROW_TENSORS
-            if getattr(self, name) is not None
-        }
-        extras = {k: v.to(device, non_blocking=non_blocking) for k, v in self.extras.items()}
-        return replace(self, **moved, extras=extras)
+        def move(value: Tensor) -> Tensor:
+            return value.to(device, non_blocking=non_blocking)
+
+        moved = {name: move(getattr(self, name)) for name in _ROW_TENSORS if getattr(self, name) is not None}
+        return replace(self, **moved, extras={k: move(v) for k, v in self.extras.items()}, record=self.record.map(move))
 
     def select(self, rows: Tensor) -> RolloutBatch:
         """The sub-batch of ``rows`` (a 1-D index tensor). ``group_size`` becomes 1 unless whole groups are kept."""
@@ -261,6 +288,7 @@ class RolloutBatch:
             **picked,
             group_size=g if whole_groups else 1,
             extras={k: v[rows] for k, v in self.extras.items()},
+            record=self.record.map(lambda v: v[rows]),
             prompts=[self.prompts[i] for i in idx] if self.prompts else [],
             responses=[self.responses[i] for i in idx] if self.responses else [],
             end_states=[self.end_states[i] for i in idx] if self.end_states is not None else None,
@@ -272,9 +300,9 @@ class RolloutBatch:
 
         The prompt part of ``input_ids``/``attention_mask`` is left-padded to the longest prompt (``pad_id``,
         attention 0), every per-token field right-padded to the widest response (``turn_index`` with -1, the
-        rest with 0), ``turn_rewards`` to the most turns with NaN. Row fields, texts, end states and ``extras``
-        (same trailing shape) are concatenated; ``env_errors`` and the timings add up. The batches must share
-        ``group_size``, ``temperature`` and ``top_p``, and record the same optional fields.
+        rest, ``record`` included, with 0), ``turn_rewards`` to the most turns with NaN. Row fields, texts, end
+        states and ``extras`` (same trailing shape) are concatenated; ``env_errors`` and the timings add up. The
+        batches must share ``group_size``, ``temperature`` and ``top_p``, and record the same optional fields.
         """
         if not batches:
             raise ValueError("RolloutBatch.concat needs at least one batch")
@@ -289,6 +317,8 @@ class RolloutBatch:
                     raise ValueError(f"RolloutBatch.concat: {name} is recorded in some batches and not in others")
             if set(b.extras) != set(first.extras):
                 raise ValueError("RolloutBatch.concat: the batches carry different extras")
+            if set(b.record.tensors()) != set(first.record.tensors()):
+                raise ValueError("RolloutBatch.concat: the batches record different sampler outputs (record)")
         p = max(b.prompt_length for b in batches)
         t = max(b.input_ids.shape[1] - b.prompt_length for b in batches)
 
@@ -320,6 +350,8 @@ class RolloutBatch:
             prompts=[x for b in batches for x in b.prompts], responses=[x for b in batches for x in b.responses],
             end_states=None if first.end_states is None else [e for b in batches for e in b.end_states],
             extras={k: torch.cat([b.extras[k] for b in batches]) for k in first.extras},
+            record=SamplerRecord(**{k: torch.cat([widen(getattr(b.record, k), t, 0) for b in batches])
+                                    for k in first.record.tensors()}),
             env_errors=sum(b.env_errors for b in batches), rollout_time=sum(b.rollout_time for b in batches),
             reward_time=sum(b.reward_time for b in batches))
 

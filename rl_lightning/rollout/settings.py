@@ -68,9 +68,9 @@ class Recording:
 
     Args:
         topk: the sampling distribution's top-k ids and their full-vocabulary log-probs
-            (``RolloutBatch.topk_ids`` / ``topk_logprobs``; Score Centering).
+            (``RolloutBatch.record.topk_ids`` / ``topk_logprobs``; Score Centering).
         aux_draws: K extra draws from the sampling distribution, independent of the sampled token
-            (``RolloutBatch.aux_ids``; StableReinforce). The sampled tokens do not change.
+            (``RolloutBatch.record.aux_ids``; StableReinforce). The sampled tokens do not change.
     """
 
     topk: int = 0

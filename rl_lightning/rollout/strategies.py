@@ -223,9 +223,7 @@ class GroupRollout(RolloutStrategy):
         lengths = gen.mask.sum(dim=1).tolist()
         responses = tok.batch_decode([row[:n] for row, n in zip(gen.response_ids.tolist(), lengths)],
                                      skip_special_tokens=True)
-        fields: dict[str, Any] = {name: getattr(gen, name) for name in ("topk_ids", "topk_logprobs", "aux_ids")
-                                  if getattr(gen, name, None) is not None}
-        make = self._maker(ctx, prompt_ids, prompt_mask, gen, group, indices, prompts, responses, t1 - t0, fields)
+        make = self._maker(ctx, prompt_ids, prompt_mask, gen, group, indices, prompts, responses, t1 - t0, {})
         over, final = [], [[] for _ in responses]
         try:
             for row, response in enumerate(responses):
@@ -288,10 +286,7 @@ class GroupRollout(RolloutStrategy):
     @staticmethod
     def _episode_fields(gen: Any) -> dict[str, Any]:
         """The ``RolloutBatch`` fields of an ``EpisodeGeneration`` beyond those of a single-turn generation."""
-        fields = {"obs_mask": gen.obs_mask, "turn_index": gen.turn_index, "num_turns": gen.num_turns}
-        fields.update({name: getattr(gen, name) for name in ("topk_ids", "topk_logprobs", "aux_ids")
-                       if getattr(gen, name) is not None})
-        return fields
+        return {"obs_mask": gen.obs_mask, "turn_index": gen.turn_index, "num_turns": gen.num_turns}
 
     @staticmethod
     def _response_lists(gen: Any) -> list[list[int]]:

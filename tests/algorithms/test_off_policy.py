@@ -76,7 +76,8 @@ def test_score_centering_with_a_full_vocabulary_head_is_the_exact_centred_gradie
     grad, adv, w = _module_grad(module, batch)
     module.policy.zero_grad()
     logp = _full_logp(module, batch)
-    q = torch.zeros_like(logp).scatter(-1, batch.topk_ids, batch.topk_logprobs.exp()).detach()  # the sampler's
+    # q: the sampler's distribution (its recorded top-k, here the whole vocabulary)
+    q = torch.zeros_like(logp).scatter(-1, batch.record.topk_ids, batch.record.topk_logprobs.exp()).detach()
     m = batch.loss_mask.float()
     sampled = logp.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1)
     # the whole vocabulary is the head: ρ = eps/eps = 1, the exact centring -A [log p_a - Σ_v sg(q_v - p_v) log p_v]
@@ -99,8 +100,8 @@ def test_score_centering_with_a_small_head_uses_the_tail_ratio():
     grad, adv, w = _module_grad(module, batch)
     module.policy.zero_grad()
     logp = _full_logp(module, batch)
-    head = logp.gather(-1, batch.topk_ids)
-    p_h, q_h = head.exp().detach(), batch.topk_logprobs.exp()
+    head = logp.gather(-1, batch.record.topk_ids)
+    p_h, q_h = head.exp().detach(), batch.record.topk_logprobs.exp()
     rho = ((1 - q_h.sum(-1)).clamp_min(1e-6) / (1 - p_h.sum(-1)).clamp_min(1e-6)).unsqueeze(-1)
     rho_w = rho * (1 / rho).clamp(max=2.0)
     r = q_h * (p_h / q_h).clamp(max=2.0) - rho_w * p_h
@@ -120,7 +121,7 @@ def test_stable_reinforce_gradient_is_the_monte_carlo_centred_formula():
     module.policy.zero_grad()
     logp = _full_logp(module, batch)
     sampled = logp.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1)
-    aux = logp.gather(-1, batch.aux_ids).mean(-1)
+    aux = logp.gather(-1, batch.record.aux_ids).mean(-1)
     m = batch.loss_mask.float()
     ((-adv * (sampled - aux) * m) * w).sum().backward()
     _close(grad, _grads(module))
@@ -131,13 +132,13 @@ def test_the_learner_logprobs_at_recorded_ids_come_from_the_same_forward():
     module = ScoreCentering(model_name_or_path="embedded:random")
     batch = _rollout(module, topk=4)
     with torch.no_grad():
-        out = module.forward_policy(batch, extra_ids=batch.topk_ids)
-        want = _full_logp(module, batch).gather(-1, batch.topk_ids)
+        out = module.forward_policy(batch, extra_ids=batch.record.topk_ids)
+        want = _full_logp(module, batch).gather(-1, batch.record.topk_ids)
     m = batch.loss_mask.bool()
     # on-policy, the learner's log-probs at the sampler's head equal the recorded ones (float32 rounding)
     tol = decoder_logprob_bound(module.policy, batch.temperature, module.policy.config.max_position_embeddings)
     assert torch.allclose(out.extra_logprobs[m], want[m], rtol=0, atol=tol)
-    assert torch.allclose(out.extra_logprobs[m], batch.topk_logprobs[m], rtol=0, atol=tol)
+    assert torch.allclose(out.extra_logprobs[m], batch.record.topk_logprobs[m], rtol=0, atol=tol)
     assert (out.extra_logprobs[~m] == 0).all()
 
 

@@ -3,6 +3,7 @@ the policy, version stamps, the staleness bound, and checkpoints that lose and d
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -70,8 +71,10 @@ def test_an_asynchronous_batch_is_the_synchronous_batch_of_its_step_extras_inclu
     try:
         for step in range(3):
             got, want = _take(dm, step), sync.rollout(sync.prompt_batch(step))
-            for name in ("input_ids", "loss_mask", "topk_ids", "aux_ids"):
+            for name in ("input_ids", "loss_mask"):
                 assert torch.equal(getattr(got, name), getattr(want, name)), (step, name)
+            for name in ("topk_ids", "aux_ids"):
+                assert torch.equal(getattr(got.record, name), getattr(want.record, name)), (step, name)
             # the log-probs: the same arithmetic, but on the producer's thread the kernels may split their
             # reductions differently (1-ulp differences seen), so within float32 rounding of this model
             with torch.no_grad():
@@ -80,8 +83,9 @@ def test_an_asynchronous_batch_is_the_synchronous_batch_of_its_step_extras_inclu
                                        output_hidden_states=True).hidden_states[-1][:, got.prompt_length - 1:-1]
             tol = model_logprob_tolerance(module.policy, hidden[got.loss_mask.bool()], got.temperature,
                                           context_length=got.input_ids.shape[1])
-            for name in ("sampler_logprobs", "topk_logprobs"):
-                assert (getattr(got, name) - getattr(want, name)).abs().max() <= tol, (step, name, tol)
+            for a, b in ((got.sampler_logprobs, want.sampler_logprobs),
+                         (got.record.topk_logprobs, want.record.topk_logprobs)):
+                assert (a - b).abs().max() <= tol, (step, tol)
     finally:
         dm.teardown("fit")
 
@@ -170,3 +174,38 @@ def test_a_resumed_asynchronous_fit_trains_on_the_same_stream_steps_as_a_straigh
     got = [p.tolist() for p in first.prompt_index + second.prompt_index]
     assert got == [p.tolist() for p in straight.prompt_index]  # each stream step once, none lost, none twice
     assert len(got) == 5 and len({tuple(p) for p in got}) == 5
+
+
+def test_a_queued_batch_round_trips_through_a_weights_only_checkpoint_with_its_sampler_record(tmp_path):
+    """``record`` (top-k ids and log-probs, auxiliary draws) is saved as plain tensors and comes back the same; a
+    checkpoint written before the record was grouped (its tensors as fields of the batch) loads into the record."""
+    from rl_lightning.envs import Prompt
+    from rl_lightning.rollout import RolloutBatch, SamplerRecord
+    from rl_lightning.rollout.async_producer import RolloutProducer
+
+    g = torch.Generator().manual_seed(0)
+    n, p, t = 4, 2, 3
+    record = SamplerRecord(topk_ids=torch.randint(0, 9, (n, t, 2), generator=g),
+                           topk_logprobs=-torch.rand(n, t, 2, generator=g),
+                           aux_ids=torch.randint(0, 9, (n, t, 5), generator=g))
+    batch = RolloutBatch(input_ids=torch.arange(n * (p + t)).reshape(n, p + t),
+                         attention_mask=torch.ones(n, p + t, dtype=torch.long), prompt_length=p,
+                         loss_mask=torch.ones(n, t, dtype=torch.long), sampler_logprobs=-torch.rand(n, t, generator=g),
+                         rewards=torch.arange(n, dtype=torch.float32), group_size=2, prompt_index=torch.arange(n) // 2,
+                         truncated=torch.zeros(n, dtype=torch.bool), prompts=[Prompt(str(i), "1") for i in range(n)],
+                         responses=["r"] * n, record=record)
+    path = tmp_path / "state.pt"
+    torch.save(RolloutProducer._pack(batch), path)
+    back = RolloutProducer._unpack(torch.load(path, weights_only=True), "cpu")
+    assert set(back.record.tensors()) == {"topk_ids", "topk_logprobs", "aux_ids"}
+    for name, value in record.tensors().items():
+        assert torch.equal(getattr(back.record, name), value), name
+    assert torch.equal(back.input_ids, batch.input_ids) and back.prompts == batch.prompts
+    old = RolloutProducer._pack(batch)
+    old.update(old.pop("record"))  # the earlier layout: topk_ids, topk_logprobs, aux_ids beside the other fields
+    torch.save(old, path)
+    back = RolloutProducer._unpack(torch.load(path, weights_only=True), "cpu")
+    for name, value in record.tensors().items():
+        assert torch.equal(getattr(back.record, name), value), name
+    partial = RolloutProducer._unpack(RolloutProducer._pack(replace(batch, record=SamplerRecord())), "cpu")
+    assert partial.record.tensors() == {}

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from rl_lightning.envs import Prompt
-from rl_lightning.rollout import PromptBatch, RolloutBatch
+from rl_lightning.rollout import PromptBatch, RolloutBatch, SamplerRecord
 
 N, P, T, G = 6, 3, 4, 2
 
@@ -40,8 +40,14 @@ def _fields(**overrides):
     return fields
 
 
+RECORD = ("topk_ids", "topk_logprobs", "aux_ids")
+
+
 def _batch(**overrides) -> RolloutBatch:
-    return RolloutBatch(**_fields(**overrides))
+    """The batch of ``_fields``; ``topk_ids``, ``topk_logprobs`` and ``aux_ids`` go into its ``record``."""
+    fields = _fields(**overrides)
+    record = SamplerRecord(**{name: fields.pop(name) for name in RECORD})
+    return RolloutBatch(**fields, record=record)
 
 
 def test_valid_batch_and_properties():
@@ -102,8 +108,11 @@ def test_group_size_must_divide_rows(group_size):
 def _assert_rows(sub: RolloutBatch, full: RolloutBatch, rows: list[int]) -> None:
     idx = torch.tensor(rows)
     for f in ("input_ids", "attention_mask", "loss_mask", "sampler_logprobs", "rewards", "prompt_index",
-              "truncated", "obs_mask", "ref_logprobs", "topk_ids", "topk_logprobs", "aux_ids"):
+              "truncated", "obs_mask", "ref_logprobs"):
         assert torch.equal(getattr(sub, f), getattr(full, f)[idx]), f
+    assert set(sub.record.tensors()) == set(RECORD)
+    for f in RECORD:
+        assert torch.equal(getattr(sub.record, f), getattr(full.record, f)[idx]), f
     assert sub.prompts == [full.prompts[i] for i in rows]
     assert sub.responses == [full.responses[i] for i in rows]
     assert (sub.prompt_length, sub.temperature, sub.top_p) == (full.prompt_length, full.temperature, full.top_p)
@@ -134,7 +143,7 @@ def test_select_without_optional_fields_and_texts():
     full = _batch(obs_mask=None, topk_ids=None, topk_logprobs=None, aux_ids=None, ref_logprobs=None,
                   prompts=[], responses=[])
     sub = full.select(torch.tensor([1, 4]))
-    assert sub.obs_mask is None and sub.topk_ids is None and sub.prompts == [] and sub.responses == []
+    assert sub.obs_mask is None and sub.record.tensors() == {} and sub.prompts == [] and sub.responses == []
     assert sub.rewards.tolist() == [1.0, 4.0]
 
 
@@ -142,16 +151,18 @@ def test_to_moves_every_tensor():
     full = _batch()
     moved = full.to("meta")
     tensor_fields = [f.name for f in dataclasses.fields(RolloutBatch) if isinstance(getattr(full, f.name), Tensor)]
-    assert len(tensor_fields) >= 12
-    for name in tensor_fields:
-        value = getattr(moved, name)
+    assert len(tensor_fields) >= 9
+    pairs = [(name, getattr(moved, name), getattr(full, name)) for name in tensor_fields]
+    pairs += [(f"record.{name}", getattr(moved.record, name), value) for name, value in full.record.tensors().items()]
+    assert len(pairs) >= 12
+    for name, value, original in pairs:
         assert value.device.type == "meta", name
-        assert value.dtype == getattr(full, name).dtype and value.shape == getattr(full, name).shape, name
-        assert getattr(full, name).device.type == "cpu", name  # the original is untouched
+        assert value.dtype == original.dtype and value.shape == original.shape, name
+        assert original.device.type == "cpu", name  # the original is untouched
     assert moved.prompts == full.prompts and moved.responses == full.responses
     assert (moved.group_size, moved.prompt_length, moved.temperature) == (G, P, 0.7)
     partial = _batch(obs_mask=None, aux_ids=None).to("meta")
-    assert partial.obs_mask is None and partial.aux_ids is None and partial.input_ids.device.type == "meta"
+    assert partial.obs_mask is None and partial.record.aux_ids is None and partial.input_ids.device.type == "meta"
 
 
 def test_prompt_batch_to_is_identity():

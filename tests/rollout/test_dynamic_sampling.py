@@ -24,8 +24,11 @@ def test_reward_spread_keeps_the_groups_whose_rewards_differ():
 
 def _assert_same(a: RolloutBatch, b: RolloutBatch) -> None:
     for name in ("input_ids", "attention_mask", "loss_mask", "sampler_logprobs", "rewards", "prompt_index",
-                 "truncated", "obs_mask", "ref_logprobs", "topk_ids", "topk_logprobs", "aux_ids"):
+                 "truncated", "obs_mask", "ref_logprobs"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert set(a.record.tensors()) == set(b.record.tensors())
+    for name, value in a.record.tensors().items():
+        assert torch.equal(value, getattr(b.record, name)), name
     assert a.prompts == b.prompts and a.responses == b.responses and a.prompt_length == b.prompt_length
 
 

@@ -418,19 +418,21 @@ def test_extra_sampler_outputs_on_episodes_sit_at_the_sampled_positions(module):
     rich = rollout(module, strategy, topk=4, aux_draws=3)
     assert torch.equal(plain.input_ids, rich.input_ids) and torch.equal(plain.sampler_logprobs, rich.sampler_logprobs)
     n, t = rich.loss_mask.shape
-    assert rich.topk_ids.shape == (n, t, 4) and rich.aux_ids.shape == (n, t, 3)
+    assert rich.record.topk_ids.shape == (n, t, 4) and rich.record.aux_ids.shape == (n, t, 3)
     assert (rich.num_turns > 1).any() and rich.obs_mask.any()
     with torch.no_grad():
         logits = module.policy(input_ids=rich.input_ids, attention_mask=rich.attention_mask,
                                position_ids=(rich.attention_mask.cumsum(-1) - 1).clamp(min=0)).logits
     full = torch.log_softmax(logits[:, rich.prompt_length - 1:-1], dim=-1)  # position P-1+t predicts token t
     m = rich.loss_mask.bool()
-    torch.testing.assert_close(full.gather(-1, rich.topk_ids)[m], rich.topk_logprobs[m], atol=1e-4, rtol=1e-4)
+    r = rich.record
+    torch.testing.assert_close(full.gather(-1, r.topk_ids)[m], r.topk_logprobs[m], atol=1e-4, rtol=1e-4)
     top1 = full.max(dim=-1).values[m]
-    torch.testing.assert_close(rich.topk_logprobs[m][:, 0], top1, atol=1e-4, rtol=1e-4)
-    assert (rich.topk_ids[~m] == 0).all() and (rich.topk_logprobs[~m] == 0).all() and (rich.aux_ids[~m] == 0).all()
+    torch.testing.assert_close(rich.record.topk_logprobs[m][:, 0], top1, atol=1e-4, rtol=1e-4)
+    assert (r.topk_ids[~m] == 0).all() and (r.topk_logprobs[~m] == 0).all() and (r.aux_ids[~m] == 0).all()
     picked = rich.select(torch.tensor([1, 4]))  # the extras follow the rows into minibatches
-    assert torch.equal(picked.topk_ids, rich.topk_ids[[1, 4]]) and torch.equal(picked.aux_ids, rich.aux_ids[[1, 4]])
+    assert torch.equal(picked.record.topk_ids, r.topk_ids[[1, 4]])
+    assert torch.equal(picked.record.aux_ids, r.aux_ids[[1, 4]])
 
 
 # numbers every message, so an observation's rendering depends on the whole conversation before it

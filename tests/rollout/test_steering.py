@@ -76,21 +76,22 @@ def test_extra_sampler_outputs_leave_the_sampled_tokens_unchanged():
                                     record=Recording(topk=3, aux_draws=5)), module)
     a, b = plain.rollout(plain.prompt_batch(0)), rich.rollout(rich.prompt_batch(0))
     assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.sampler_logprobs, b.sampler_logprobs)
-    assert a.topk_ids is None and a.aux_ids is None
+    assert a.record.topk_ids is None and a.record.aux_ids is None
     n, t = b.loss_mask.shape
-    assert b.topk_ids.shape == (n, t, 3) and b.topk_logprobs.shape == (n, t, 3) and b.aux_ids.shape == (n, t, 5)
+    r = b.record
+    assert r.topk_ids.shape == (n, t, 3) and r.topk_logprobs.shape == (n, t, 3) and r.aux_ids.shape == (n, t, 5)
     with torch.no_grad():  # the top-k log-probs are the full-vocabulary log-probs of those ids
         full = torch.log_softmax(module.policy(input_ids=b.input_ids, attention_mask=b.attention_mask,
                                                position_ids=(b.attention_mask.cumsum(-1) - 1).clamp(min=0)
                                                ).logits[:, b.prompt_length - 1:-1], dim=-1)
     m = b.loss_mask.bool()
-    assert torch.allclose(full.gather(-1, b.topk_ids)[m], b.topk_logprobs[m], atol=1e-4)
-    assert (b.topk_logprobs[m][:, :-1] >= b.topk_logprobs[m][:, 1:]).all()  # sorted, most likely first
-    assert (b.aux_ids[~m] == 0).all() and (b.topk_logprobs[~m] == 0).all()
+    assert torch.allclose(full.gather(-1, b.record.topk_ids)[m], b.record.topk_logprobs[m], atol=1e-4)
+    assert (b.record.topk_logprobs[m][:, :-1] >= b.record.topk_logprobs[m][:, 1:]).all()  # sorted, most likely first
+    assert (b.record.aux_ids[~m] == 0).all() and (b.record.topk_logprobs[~m] == 0).all()
     # the aux draws follow the sampling distribution: over many positions their frequency of the top id
     # is near its probability (a random 20-token-vocabulary model: p(top) is well inside (0, 1))
-    p_top = b.topk_logprobs[m][:, 0].exp().mean()
-    f_top = (b.aux_ids[m] == b.topk_ids[m][:, :1]).float().mean()
+    p_top = b.record.topk_logprobs[m][:, 0].exp().mean()
+    f_top = (b.record.aux_ids[m] == b.record.topk_ids[m][:, :1]).float().mean()
     assert abs(float(p_top - f_top)) < 0.25
 
 
