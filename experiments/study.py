@@ -121,7 +121,10 @@ class Study:
         return self.arms[arm].baseline or self.baseline
 
 
-def load_study(folder: Path) -> Study:
+def load_study(folder: Path, check_configs: bool = True) -> Study:
+    """The study of ``folder``. ``check_configs``: refuse an arm whose config file is missing from this checkout
+    (what ``run`` and ``status`` resolve); a report reads only the exported CSVs, so it also works after a config
+    the study measured was removed."""
     path = folder / "study.yaml"
     if not path.is_file():
         raise StudyError(f"{path}: no study.yaml (see experiments/study.py's docstring for its fields)")
@@ -142,7 +145,7 @@ def load_study(folder: Path) -> Study:
         if not spec.get("configs"):
             raise StudyError(f"{path}: arms.{name}.configs: give the arm's config stack")
         stack = [*spec["configs"], *task, *spec.get("after", [])]
-        for config in stack:
+        for config in stack if check_configs else []:
             if not (REPO / config).is_file():
                 raise StudyError(f"{path}: arms.{name}: no config file {config}")
         arms[name] = Arm(name, stack, [str(a) for a in spec.get("args", [])], spec.get("baseline"))
@@ -655,7 +658,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs-root", type=Path, default=REPO / "runs" / "studies",
                         help="where the runs' checkpoints and logs go (default runs/studies/)")
     args = parser.parse_args(argv)
-    study = load_study(args.study.resolve())
+    study = load_study(args.study.resolve(), check_configs=args.command != "report")
     study.runs_root = args.runs_root.resolve()
     arms = args.arms or list(study.arms)
     for arm in arms:

@@ -104,6 +104,16 @@ def test_a_bad_study_file_is_refused_in_one_line(tmp_path, capsys, fields, messa
     assert len(lines) == 1 and message in lines[0] and "study.yaml" in lines[0]
 
 
+def test_a_report_loads_a_study_whose_measured_config_was_removed_since(tmp_path, capsys):
+    """``run`` and ``status`` need every arm's config files; a report reads only the exported CSVs."""
+    folder = _write_study(tmp_path / "s", arms={"a": {"configs": ["configs/grpo.yaml"]},
+                                               "b": {"configs": ["configs/tasks/removed_since.yaml"]}}, baseline="a")
+    with pytest.raises(SystemExit):
+        S.load_study(folder)
+    assert "no config file configs/tasks/removed_since.yaml" in capsys.readouterr().err
+    assert S.load_study(folder, check_configs=False).arms["b"].configs == ["configs/tasks/removed_since.yaml"]
+
+
 def test_an_arms_stack_is_its_configs_then_the_study_task_then_its_after_configs(tmp_path):
     folder = _write_study(tmp_path / "s", task=["configs/tasks/calculator.yaml"], arms={
         "a": {"configs": ["configs/tempo.yaml"], "after": ["configs/tasks/calculator_tempo.yaml"]}}, baseline="a")

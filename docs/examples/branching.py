@@ -36,7 +36,7 @@ class ReplayGRPO(GRPO):
 
     @override
     def compute_advantages(self, batch: RolloutBatch) -> Tensor:
-        for row, end in enumerate(batch.end_states):  # keep the cut rows' end states that leave room to go on
+        for row, end in enumerate(batch.ends.states):  # keep the cut rows' end states that leave room to go on
             if end is not None and len(end.prefix_ids) < self.episode_tokens:
                 room = self.episode_tokens - len(end.prefix_ids)  # the whole episode stays within the budget
                 self.store.add([Branch.from_rollout(batch, row, max_turns=self.horizon, max_tokens=room)])

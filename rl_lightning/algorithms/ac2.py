@@ -110,12 +110,12 @@ class AC2(GRPO):
     @override
     def compute_advantages(self, batch: RolloutBatch) -> Advantages:
         """``[N]`` ``Â_i = v_i - v̄`` (see the module docstring), with ``v``, ``v̄`` and where ``v`` came from."""
-        if batch.terminated is None or batch.end_states is None:
-            raise ValueError("AC2: the batch has no terminated/end_states (make it with a BranchRollout)")
+        if batch.ends is None:
+            raise ValueError("AC2: the batch does not say how its chunks ended (make it with a BranchRollout)")
         values, n = batch.rewards.float().clone(), batch.group_size
         valued = torch.zeros_like(values)
         completed = torch.zeros_like(values)
-        cut = batch.cut.nonzero().flatten().tolist()
+        cut = batch.ends.cut.nonzero().flatten().tolist()
         keys = batch.prompt_id.tolist() if batch.prompt_id is not None else batch.prompt_index.tolist()
         self._audit = []
         if cut:
@@ -142,7 +142,7 @@ class AC2(GRPO):
     def _keep(self, batch: RolloutBatch, rows: list[int]) -> None:
         """Store the unfinished chunks' ends that leave room for another chunk in the response."""
         for r in rows:
-            end = batch.end_states[r]
+            end = batch.ends.states[r]
             if end is not None and end.snapshot_error is None and (
                     self.max_new_tokens is None or len(end.pending_ids) < self.max_new_tokens - 1):
                 self.store.add([Branch.from_rollout(batch, r)])

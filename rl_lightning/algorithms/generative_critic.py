@@ -68,7 +68,7 @@ def start_history(batch: Any, row: int) -> list[int]:
 def end_history(batch: Any, row: int) -> list[int]:
     """The ids of a row's end state: everything it attended to, then a final observation a limit kept out."""
     ids = batch.input_ids[row][batch.attention_mask[row].bool()].tolist()
-    end = batch.end_states[row] if batch.end_states is not None else None
+    end = batch.ends.states[row] if batch.ends is not None else None
     return ids + (list(end.final_obs_ids) if end is not None else [])
 
 

@@ -122,7 +122,7 @@ class TEMPO(GRPO):
         return fresh + saved
 
     def _keep_ends(self, batch: RolloutBatch) -> None:
-        for row, end in enumerate(batch.end_states or []):
+        for row, end in enumerate(batch.ends.states if batch.ends is not None else []):
             if end is None or end.snapshot_error is not None:
                 continue
             room = None if self.episode_tokens is None else self.episode_tokens - len(end.prefix_ids)
@@ -133,11 +133,11 @@ class TEMPO(GRPO):
     @override
     def compute_advantages(self, batch: RolloutBatch) -> Advantages:
         """GRPO advantages of ``G`` over each state's branches, with ``G``, ``y(s)`` and the query flags per row."""
-        if batch.terminated is None:
+        if batch.ends is None:
             raise ValueError("TEMPO: the batch does not say which branches terminated (make it with a BranchRollout)")
         n, warm = batch.group_size, self.warming_up(self.global_step)
         ends = torch.full((batch.num_rows,), float("nan"), device=batch.rewards.device)
-        queried = torch.zeros(batch.num_rows, dtype=torch.bool, device=ends.device) if warm else batch.cut.clone()
+        queried = torch.zeros(batch.num_rows, dtype=torch.bool, device=ends.device) if warm else batch.ends.cut.clone()
         if warm:
             ends = torch.zeros_like(ends)  # Monte-Carlo: a cut complete episode is not bootstrapped
         elif bool(queried.any()):
@@ -145,7 +145,7 @@ class TEMPO(GRPO):
             contexts = [self.critic.context(self, end_history(batch, r), batch.prompts[r]) for r in rows]
             ends[queried] = self.critic.values(self, contexts).to(ends.dtype)
             self._keep_ends(batch)
-        returns = macro_step_returns(batch.rewards, batch.terminated, ends)
+        returns = macro_step_returns(batch.rewards, batch.ends.terminated, ends)
         targets = branch_mean_targets(returns, n).repeat_interleave(n)
         replayed = batch.extras[BRANCH_PREFIX_TOKENS].to(ends.device) > 0  # a saved state, not a prompt's start
         rows = {RETURN: returns, TARGET: targets, QUERIED: queried.float(), REPLAYED: replayed.float()}

@@ -1,6 +1,6 @@
 """Data production: prompt streams, rollout engines and strategies, and the ``RolloutBatch`` container."""
 
-from rl_lightning.rollout.batch import EndState, PromptBatch, RolloutBatch, SamplerRecord, StepRequest
+from rl_lightning.rollout.batch import EndState, EpisodeEnds, PromptBatch, RolloutBatch, SamplerRecord, StepRequest
 from rl_lightning.rollout.branching import Branch, BranchRollout, BranchStore
 from rl_lightning.rollout.datamodule import RolloutDataModule
 from rl_lightning.rollout.encoding import PromptEncoder
@@ -28,6 +28,7 @@ __all__ = [
     "BranchStore",
     "DecodeOptions",
     "EndState",
+    "EpisodeEnds",
     "EngineSession",
     "EpisodeGeneration",
     "Generation",

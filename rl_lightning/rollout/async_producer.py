@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from rl_lightning.envs.base import Prompt
-from rl_lightning.rollout.batch import EndState, RolloutBatch, SamplerRecord
+from rl_lightning.rollout.batch import EndState, EpisodeEnds, RolloutBatch, SamplerRecord
 from rl_lightning.rollout.engine import RolloutEngine
 from rl_lightning.rollout.sync import SamplerSync
 
@@ -116,19 +116,25 @@ class RolloutProducer:
         state = {f.name: getattr(batch, f.name) for f in fields(batch)}
         state["prompts"] = [p.to_state() for p in batch.prompts]
         state["record"] = {k: v.to("cpu") for k, v in batch.record.tensors().items()}
-        if batch.end_states is not None:
-            state["end_states"] = [None if e is None else e.to_state() for e in batch.end_states]
+        if batch.ends is not None:
+            state["ends"] = {"terminated": batch.ends.terminated.to("cpu"),
+                             "states": [None if e is None else e.to_state() for e in batch.ends.states]}
         return {k: (v.to("cpu") if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
 
     @staticmethod
     def _unpack(state: dict[str, Any], device: torch.device | str) -> RolloutBatch:
         values = dict(state, prompts=[Prompt.from_state(p) for p in state["prompts"]])
-        # the record's tensors (a checkpoint written before they were grouped holds them as fields of the batch)
+        # a checkpoint written before the record and the ends were groups holds their parts as fields of the batch
         record = {**values.pop("record", {}),
                   **{f.name: values.pop(f.name) for f in fields(SamplerRecord) if f.name in values}}
         values["record"] = SamplerRecord(**{k: v for k, v in record.items() if v is not None})
-        if values.get("end_states") is not None:
-            values["end_states"] = [None if e is None else EndState.from_state(e) for e in values["end_states"]]
+        ends = values.pop("ends", None)
+        terminated, states = values.pop("terminated", None), values.pop("end_states", None)
+        if ends is None and terminated is not None and states is not None:
+            ends = {"terminated": terminated, "states": states}
+        if ends is not None:
+            values["ends"] = EpisodeEnds(ends["terminated"],
+                                         [None if e is None else EndState.from_state(e) for e in ends["states"]])
         return RolloutBatch(**values).to(device)
 
     def state_dict(self, include_last_taken: bool = False) -> dict[str, Any]:

@@ -89,6 +89,36 @@ class EndState:
 
 
 @dataclass(frozen=True)
+class EpisodeEnds:
+    """How each row's episode ended, as the built-in strategies record it: whether the environment ended it, and
+    where each cut one stopped (what ``Branch.from_rollout(batch, row)`` continues from).
+
+    Attributes:
+        terminated: ``[N]`` bool, True where the environment ended the episode (its ``step`` returned
+            ``terminated``, or it raised under ``env_errors: fail_episode``): the return is complete and the end
+            state has value 0. False where the episode was *cut*: by ``max_turns``, a token budget, or the
+            environment's ``truncated`` (the batch's ``truncated`` marks these too, and also a terminated episode
+            whose last turn had no EOS).
+        states: per row, an ``EndState`` where the episode was cut, ``None`` where it terminated.
+    """
+
+    terminated: Tensor
+    states: list[EndState | None]
+
+    @property
+    def cut(self) -> Tensor:
+        """``[N]`` bool: the episodes that did not terminate (``~terminated``)."""
+        return ~self.terminated
+
+    def select(self, rows: Tensor) -> EpisodeEnds:
+        return EpisodeEnds(self.terminated[rows], [self.states[i] for i in rows.tolist()])
+
+    @classmethod
+    def concat(cls, ends: list[EpisodeEnds]) -> EpisodeEnds:
+        return cls(torch.cat([e.terminated for e in ends]), [s for e in ends for s in e.states])
+
+
+@dataclass(frozen=True)
 class SamplerRecord:
     """What the sampler recorded at each generated position besides the sampled token's log-prob: the data
     module's ``record`` settings (docs/architecture.md). Each tensor is ``None`` unless asked for, and 0 at
@@ -124,7 +154,7 @@ _ROW_TENSORS = (
     "input_ids", "attention_mask", "loss_mask", "sampler_logprobs", "rewards", "prompt_index", "truncated",
     "obs_mask", "ref_logprobs", "proximal_logprobs",
     "turn_index",
-    "num_turns", "turn_rewards", "prompt_id", "terminated",
+    "num_turns", "turn_rewards", "prompt_id",
 )
 
 
@@ -157,13 +187,8 @@ class RolloutBatch:
         num_turns: ``[N]`` model turns of each episode.
         turn_rewards: ``[N, K]`` the reward of each turn (NaN after the episode's last); ``rewards`` is their sum.
         prompt_id: ``[N]`` a stable id of each row's prompt (``Prompt.uid``: the same whenever it is drawn).
-        terminated: ``[N]`` bool, True where the environment ended the episode (its ``step`` returned
-            ``terminated``, or it raised under ``env_errors: fail_episode``): the return is complete and the end
-            state has value 0. False where the episode was *cut*: by ``max_turns``, a token budget, or the
-            environment's ``truncated`` (``truncated`` marks these too, and also a terminated episode whose last
-            turn had no EOS). Set by the built-in strategies; ``None`` from a batch made otherwise.
-        end_states: per row, an ``EndState`` where the episode was cut (``None`` where it terminated): the state a
-            ``Branch.from_rollout(batch, row)`` continues from; ``None`` (the field) when not recorded.
+        ends: how each episode ended (``EpisodeEnds``: ``terminated``, the ``EndState`` of each cut one, ``cut``).
+            Set by the built-in strategies; ``None`` from a batch made otherwise.
         env_errors: episodes ended because their environment raised (``GroupRollout(env_errors="fail_episode")``).
         extras: per-row tensors (first dimension ``N``) a method or callback attaches; they follow ``to`` and
             ``select`` like the fields above.
@@ -191,8 +216,7 @@ class RolloutBatch:
     num_turns: Tensor | None = None
     turn_rewards: Tensor | None = None
     prompt_id: Tensor | None = None
-    terminated: Tensor | None = None
-    end_states: list[EndState | None] | None = None
+    ends: EpisodeEnds | None = None
     env_errors: int = 0
     extras: dict[str, Tensor] = field(default_factory=dict)
     rollout_time: float = 0.0
@@ -206,7 +230,6 @@ class RolloutBatch:
             "prompt_index": (n,), "truncated": (n,), "obs_mask": (n, t), "ref_logprobs": (n, t),
             "proximal_logprobs": (n, t),
             "turn_index": (n, t), "num_turns": (n,), "prompt_id": (n,),
-            "terminated": (n,),
         }
         for name, shape in expect.items():
             value = getattr(self, name)
@@ -220,8 +243,9 @@ class RolloutBatch:
         for name, value in self.extras.items():
             if value.shape[:1] != (n,):
                 raise ValueError(f"RolloutBatch.extras[{name!r}] has shape {tuple(value.shape)}, expected ({n}, ...)")
-        if self.end_states is not None and len(self.end_states) != n:
-            raise ValueError(f"RolloutBatch.end_states has {len(self.end_states)} entries, expected {n}")
+        if self.ends is not None and (tuple(self.ends.terminated.shape) != (n,) or len(self.ends.states) != n):
+            raise ValueError(f"RolloutBatch.ends has {tuple(self.ends.terminated.shape)} terminated flags and "
+                             f"{len(self.ends.states)} states, expected {n} of each")
         if self.group_size < 1 or n % self.group_size:
             raise ValueError(f"RolloutBatch: group_size={self.group_size} does not divide N={n}")
 
@@ -273,7 +297,9 @@ class RolloutBatch:
             return value.to(device, non_blocking=non_blocking)
 
         moved = {name: move(getattr(self, name)) for name in _ROW_TENSORS if getattr(self, name) is not None}
-        return replace(self, **moved, extras={k: move(v) for k, v in self.extras.items()}, record=self.record.map(move))
+        ends = None if self.ends is None else replace(self.ends, terminated=move(self.ends.terminated))
+        return replace(self, **moved, extras={k: move(v) for k, v in self.extras.items()}, record=self.record.map(move),
+                       ends=ends)
 
     def select(self, rows: Tensor) -> RolloutBatch:
         """The sub-batch of ``rows`` (a 1-D index tensor). ``group_size`` becomes 1 unless whole groups are kept."""
@@ -291,7 +317,7 @@ class RolloutBatch:
             record=self.record.map(lambda v: v[rows]),
             prompts=[self.prompts[i] for i in idx] if self.prompts else [],
             responses=[self.responses[i] for i in idx] if self.responses else [],
-            end_states=[self.end_states[i] for i in idx] if self.end_states is not None else None,
+            ends=self.ends.select(rows) if self.ends is not None else None,
         )
 
     @classmethod
@@ -312,7 +338,7 @@ class RolloutBatch:
                 if getattr(b, name) != getattr(first, name):
                     raise ValueError(f"RolloutBatch.concat: {name} differs "
                                      f"({getattr(b, name)} vs {getattr(first, name)})")
-            for name in (*_ROW_TENSORS, "end_states"):
+            for name in (*_ROW_TENSORS, "ends"):
                 if (getattr(b, name) is None) != (getattr(first, name) is None):
                     raise ValueError(f"RolloutBatch.concat: {name} is recorded in some batches and not in others")
             if set(b.extras) != set(first.extras):
@@ -348,17 +374,12 @@ class RolloutBatch:
         return replace(
             first, **joined, prompt_length=p,
             prompts=[x for b in batches for x in b.prompts], responses=[x for b in batches for x in b.responses],
-            end_states=None if first.end_states is None else [e for b in batches for e in b.end_states],
+            ends=None if first.ends is None else EpisodeEnds.concat([b.ends for b in batches]),
             extras={k: torch.cat([b.extras[k] for b in batches]) for k in first.extras},
             record=SamplerRecord(**{k: torch.cat([widen(getattr(b.record, k), t, 0) for b in batches])
                                     for k in first.record.tensors()}),
             env_errors=sum(b.env_errors for b in batches), rollout_time=sum(b.rollout_time for b in batches),
             reward_time=sum(b.reward_time for b in batches))
-
-    @property
-    def cut(self) -> Tensor | None:
-        """``[N]`` bool: the episodes that did not terminate (``~terminated``; ``None`` when not recorded)."""
-        return None if self.terminated is None else ~self.terminated
 
 
 _FIELD_NAMES = frozenset(f.name for f in fields(RolloutBatch))

@@ -4,7 +4,7 @@ prefixes. A ``RolloutStrategy`` like ``GroupRollout``, whose episode loop it sha
 
 * ``Branch`` -- one point to continue from, with its own horizon (``max_turns``) and token budget
   (``max_tokens``); ``Branch.from_rollout(batch, row)`` is the end state of any cut row of a batch the built-in
-  strategies made (``RolloutBatch.end_states``), so a continuation never replays the episode;
+  strategies made (``RolloutBatch.ends``), so a continuation never replays the episode;
 * ``BranchRollout`` -- the training strategy that continues each branch of a step ``n`` times; ``continue_from``
   is the same rollout for any branches (``RolloutDataModule.rollout_branches``: one-off completions and audits);
 * ``BranchStore`` -- saved branches kept across steps (a replay store), checkpointed as plain values.
@@ -64,10 +64,10 @@ class Branch:
         """The end of ``batch``'s row ``row`` (cut by a limit, not terminated), as a branch to continue: its
         environment state, everything after its first observation (the final observation a limit kept out of the
         trajectory included) and any unfinished turn, with no replay."""
-        if batch.end_states is None:
-            raise ValueError("Branch.from_rollout: the batch has no end_states (made by a strategy that does not "
-                             "record them)")
-        end = batch.end_states[row]
+        if batch.ends is None:
+            raise ValueError("Branch.from_rollout: the batch has no ends (made by a strategy that does not record "
+                             "them)")
+        end = batch.ends.states[row]
         if end is None:
             raise ValueError(f"Branch.from_rollout: row {row} terminated (its environment ended it); a terminal "
                              "state has nothing to continue")
@@ -143,7 +143,7 @@ class BranchRollout(GroupRollout):
     batches are plain greedy episodes, whatever the branches' limits: a ``GroupRollout`` of up to
     ``Task.episode_turns()`` turns (the branches' ``max_turns`` for a task that does not say) of the data module's
     ``max_new_tokens`` each, with the default episode budget. ``rewards`` are the continuation's (the segment's,
-    not the episode's), ``terminated`` / ``end_states`` say where each row stopped, and
+    not the episode's), ``ends`` says where each row stopped, and
     ``extras[BRANCH_PREFIX_TOKENS]`` how many prefix ids each row continued from (0: from the prompt's start).
 
     The branches of a step are read when its rollout starts: ``set_branches(list)`` for the next step, or

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from rl_lightning.envs.base import MESSAGES, Prompt, RewardError, RewardFunction, Task
 from rl_lightning.envs.environment import REWARD_PARTS, EnvError, Environment, env_step
-from rl_lightning.rollout.batch import EndState, PromptBatch, RolloutBatch
+from rl_lightning.rollout.batch import EndState, EpisodeEnds, PromptBatch, RolloutBatch
 from rl_lightning.rollout.encoding import PromptEncoder
 from rl_lightning.rollout.engine import SESSIONS, RolloutEngine, SamplingParams
 from rl_lightning.rollout.episodes import left_pad, sample_episodes
@@ -141,8 +141,9 @@ class _Episodes:
 
     def end_fields(self, prefixes: list[list[int]], responses: list[list[int]], final_obs: list[list[int]],
                    pending: list[list[int]], device: torch.device) -> dict[str, Any]:
-        """``terminated`` and ``end_states`` of the batch: an ``EndState`` for every cut episode (``prefixes``: what
-        preceded each row's response after its first observation; ``responses``: its real response ids)."""
+        """The batch's ``ends``: whether each episode terminated, and an ``EndState`` for every cut one
+        (``prefixes``: what preceded each row's response after its first observation; ``responses``: its real
+        response ids)."""
         states: list[EndState | None] = []
         for row, env in enumerate(self.envs):
             if self.env_terminated[row]:
@@ -155,7 +156,7 @@ class _Episodes:
                 state, error = None, f"{type(err).__name__}: {err}"
             states.append(EndState(state, list(prefixes[row]) + list(responses[row]) + final, list(pending[row]),
                                    list(zip(self.actions[row], self.observations[row])), final, error))
-        return {"terminated": torch.tensor(self.env_terminated, dtype=torch.bool, device=device), "end_states": states}
+        return {"ends": EpisodeEnds(torch.tensor(self.env_terminated, dtype=torch.bool, device=device), states)}
 
 
 class GroupRollout(RolloutStrategy):

@@ -62,7 +62,7 @@ def test_chunk_values_advantages_and_the_critic_target():
     a, v = adv.advantages.view(-1, 4), adv.rows[VALUE].view(-1, 4)
     torch.testing.assert_close(a.sum(dim=1), torch.zeros(4), atol=1e-6, rtol=0)  # Σ_i Â_i = 0 per prefix
     torch.testing.assert_close(a, v - v.mean(dim=1, keepdim=True))
-    done = batch.terminated
+    done = batch.ends.terminated
     torch.testing.assert_close(adv.rows[VALUE][done], batch.rewards[done])  # a finished chunk: R
     # nothing is ready yet: every unfinished chunk was completed, each completion an audit of the critic
     assert bool((adv.rows[COMPLETED] == (~done).float()).all()) and float(adv.rows[CRITIC_VALUED].sum()) == 0
@@ -89,7 +89,7 @@ def test_a_ready_problem_is_valued_by_the_critic_and_offered_for_audit():
         for _ in range(3):
             module.readiness.record(key, 0.0)
     adv = module.compute_advantages(batch)
-    cut = batch.cut.nonzero().flatten().tolist()
+    cut = batch.ends.cut.nonzero().flatten().tolist()
     expected = module.critic.values(module, [module.critic.context(module, end_history(batch, r), batch.prompts[r])
                                              for r in cut])
     torch.testing.assert_close(adv.rows[VALUE][cut], expected)

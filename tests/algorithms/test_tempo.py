@@ -47,7 +47,7 @@ def setup(horizon: int, warmup_steps: int = 0, replay: int = 0, **kwargs) -> tup
 def test_branches_terminal_within_the_horizon_give_the_monte_carlo_return_and_never_call_the_critic():
     module, dm = setup(horizon=5)  # TD phase, H = the whole episode: every branch terminates
     batch = dm.rollout(dm.prompt_batch(0))
-    assert bool(batch.terminated.all()) and batch.rewards.std() > 0
+    assert bool(batch.ends.terminated.all()) and batch.rewards.std() > 0
     adv = module.compute_advantages(batch)
     torch.testing.assert_close(adv.rows[RETURN], batch.rewards)  # G_i = the episode's return
     assert module.critic.calls == 0 and module.critic.forwards == 0 and float(adv.rows[QUERIED].sum()) == 0
@@ -59,7 +59,7 @@ def test_branches_terminal_within_the_horizon_give_the_monte_carlo_return_and_ne
 def test_cut_branches_bootstrap_with_the_detached_critic_value_of_their_end_state():
     module, dm = setup(horizon=3)
     batch = dm.rollout(dm.prompt_batch(0))
-    cut = batch.cut
+    cut = batch.ends.cut
     assert 0 < int(cut.sum()) < batch.num_rows  # 2 of 16 found it within 3 guesses, 14 were cut
     adv = module.compute_advantages(batch)
     assert module.critic.calls == int(cut.sum())  # one query per cut branch, none at terminated ends

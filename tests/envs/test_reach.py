@@ -213,13 +213,13 @@ def test_branching_saved_mid_episode_states_continues_the_episode(warm):
         straight = dm.rollout(prompts)
         dm.strategy = GroupRollout(max_turns=3, max_episode_tokens=60)
         first = dm.rollout(prompts)
-        rows = [r for r in range(first.num_rows) if first.end_states[r] is not None]
+        rows = [r for r in range(first.num_rows) if first.ends.states[r] is not None]
         assert len(rows) >= 30
-        branches = [Branch.from_rollout(first, r, max_turns=7, max_tokens=60 - len(first.end_states[r].prefix_ids))
+        branches = [Branch.from_rollout(first, r, max_turns=7, max_tokens=60 - len(first.ends.states[r].prefix_ids))
                     for r in rows]
         rest = dm.rollout_branches(branches, n=1, greedy=True)
         for k, r in enumerate(rows):
-            assert first.end_states[r].prefix_ids + _real(rest, k) == _real(straight, r)
+            assert first.ends.states[r].prefix_ids + _real(rest, k) == _real(straight, r)
             assert float(first.rewards[r] + rest.rewards[k]) == float(straight.rewards[r])
             assert int(first.num_turns[r] + rest.num_turns[k]) == int(straight.num_turns[r])
         # a training step of BranchRollout from saved states: 4 sampled continuations each, from the saved value

@@ -176,11 +176,11 @@ def test_a_resumed_asynchronous_fit_trains_on_the_same_stream_steps_as_a_straigh
     assert len(got) == 5 and len({tuple(p) for p in got}) == 5
 
 
-def test_a_queued_batch_round_trips_through_a_weights_only_checkpoint_with_its_sampler_record(tmp_path):
-    """``record`` (top-k ids and log-probs, auxiliary draws) is saved as plain tensors and comes back the same; a
-    checkpoint written before the record was grouped (its tensors as fields of the batch) loads into the record."""
+def test_a_queued_batch_round_trips_through_a_weights_only_checkpoint_with_its_record_and_ends(tmp_path):
+    """``record`` (top-k ids and log-probs, auxiliary draws) and ``ends`` are saved as plain values and come back
+    the same; a checkpoint written before they were groups (their parts as fields of the batch) loads into them."""
     from rl_lightning.envs import Prompt
-    from rl_lightning.rollout import RolloutBatch, SamplerRecord
+    from rl_lightning.rollout import EndState, EpisodeEnds, RolloutBatch, SamplerRecord
     from rl_lightning.rollout.async_producer import RolloutProducer
 
     g = torch.Generator().manual_seed(0)
@@ -208,4 +208,13 @@ def test_a_queued_batch_round_trips_through_a_weights_only_checkpoint_with_its_s
     for name, value in record.tensors().items():
         assert torch.equal(getattr(back.record, name), value), name
     partial = RolloutProducer._unpack(RolloutProducer._pack(replace(batch, record=SamplerRecord())), "cpu")
-    assert partial.record.tensors() == {}
+    assert partial.record.tensors() == {} and partial.ends is None
+    # the episode ends, likewise: the group, and the earlier layout (terminated and end_states as fields)
+    ends = EpisodeEnds(torch.tensor([True, False, False, True]), [None, EndState({"v": 1}, [5, 6]), EndState(None, [7]),
+                                                                  None])
+    packed = RolloutProducer._pack(replace(batch, ends=ends))
+    for state in (packed, {**{k: v for k, v in packed.items() if k != "ends"}, "terminated": ends.terminated,
+                           "end_states": packed["ends"]["states"]}):
+        torch.save(state, path)
+        back = RolloutProducer._unpack(torch.load(path, weights_only=True), "cpu")
+        assert torch.equal(back.ends.terminated, ends.terminated) and back.ends.states == ends.states

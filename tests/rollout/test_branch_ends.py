@@ -47,13 +47,13 @@ def test_the_batch_says_terminated_or_cut_and_keeps_the_cut_episodes_final_obser
     dm, batch = _heldout(guess, max_turns=2)
     tok = guess.tokenizer
     found = batch.rewards == 1
-    assert batch.terminated is not None and torch.equal(batch.cut, ~batch.terminated)
-    assert bool(found.any()) and bool((~batch.terminated).any())
+    assert batch.ends is not None and torch.equal(batch.ends.cut, ~batch.ends.terminated)
+    assert bool(found.any()) and bool((~batch.ends.terminated).any())
     # found within 2 guesses: the environment ended it; otherwise max_turns cut it with a guess budget left
-    assert torch.equal(batch.terminated, found)
+    assert torch.equal(batch.ends.terminated, found)
     for row in range(batch.num_rows):
-        end = batch.end_states[row]
-        if batch.terminated[row]:
+        end = batch.ends.states[row]
+        if batch.ends.terminated[row]:
             assert end is None
             continue
         assert end.env_state["guesses"] and len(end.env_state["guesses"]) == 2  # the state after both guesses
@@ -61,7 +61,9 @@ def test_the_batch_says_terminated_or_cut_and_keeps_the_cut_episodes_final_obser
         assert end.final_obs_ids and tok.decode(end.final_obs_ids) == end.turns[-1][1]
         assert end.turns[-1][1] in ("hi:", "lo:", "bad:") and len(end.turns) == 2
         assert end.prefix_ids == _real(batch, row) + end.final_obs_ids and end.pending_ids == []
-    assert batch.select(torch.tensor([1, 0])).end_states == [batch.end_states[1], batch.end_states[0]]
+    picked = batch.select(torch.tensor([1, 0])).ends
+    assert picked.states == [batch.ends.states[1], batch.ends.states[0]]
+    assert torch.equal(picked.terminated, batch.ends.terminated[[1, 0]])
 
 
 def test_a_cut_row_continued_from_its_end_state_is_the_uncut_episode(guess):
@@ -69,22 +71,22 @@ def test_a_cut_row_continued_from_its_end_state_is_the_uncut_episode(guess):
     ids, returns and terminations."""
     _, straight = _heldout(guess, max_turns=5)
     dm, first = _heldout(guess, max_turns=2)
-    rows = [r for r in range(first.num_rows) if first.end_states[r] is not None
-            and len(first.end_states[r].prefix_ids) < 32]
+    rows = [r for r in range(first.num_rows) if first.ends.states[r] is not None
+            and len(first.ends.states[r].prefix_ids) < 32]
     assert len(rows) >= 10
-    branches = [Branch.from_rollout(first, r, max_turns=3, max_tokens=32 - len(first.end_states[r].prefix_ids))
+    branches = [Branch.from_rollout(first, r, max_turns=3, max_tokens=32 - len(first.ends.states[r].prefix_ids))
                 for r in rows]
     cursor = dm.cursor
     rest = dm.rollout_branches(branches, n=1, greedy=True)
     assert dm.cursor == cursor  # a one-off rollout does not move the stream
     assert rest.num_rows == len(rows) and rest.group_size == 1
     for k, r in enumerate(rows):
-        assert first.end_states[r].prefix_ids + _real(rest, k) == _real(straight, r)
+        assert first.ends.states[r].prefix_ids + _real(rest, k) == _real(straight, r)
         assert float(first.rewards[r] + rest.rewards[k]) == float(straight.rewards[r])
-        assert bool(rest.terminated[k]) == bool(straight.terminated[r])
+        assert bool(rest.ends.terminated[k]) == bool(straight.ends.terminated[r])
         assert int(first.num_turns[r] + rest.num_turns[k]) == int(straight.num_turns[r])
     with pytest.raises(ValueError, match="terminated"):
-        Branch.from_rollout(first, int(first.terminated.nonzero()[0]))
+        Branch.from_rollout(first, int(first.ends.terminated.nonzero()[0]))
 
 
 def test_each_branch_has_its_own_horizon_and_token_budget():
@@ -126,20 +128,20 @@ def test_a_completion_never_overruns_the_turn_and_a_chunk_is_held_from_the_envir
     lengths = batch.loss_mask.sum(dim=1)
     assert (lengths[:4] <= 3).all() and (lengths[4:] <= 2).all()
     assert batch.extras[BRANCH_PREFIX_TOKENS].tolist() == [3] * 8  # every row continued from 3 prefix ids
-    assert len(scored) == 4 + int((batch.terminated[4:]).sum())  # the held chunks were not scored
+    assert len(scored) == 4 + int((batch.ends.terminated[4:]).sum())  # the held chunks were not scored
     assert all(s.startswith("123") for s in scored)  # the environment sees the pending ids first
     for row in range(4, 8):
-        if batch.terminated[row]:  # EOS within the chunk: a finished answer, scored
+        if batch.ends.terminated[row]:  # EOS within the chunk: a finished answer, scored
             assert batch.rewards[row] == 0.5
             continue
-        end = batch.end_states[row]
+        end = batch.ends.states[row]
         chunk = batch.response_ids[row][batch.loss_mask[row].bool()].tolist()
         assert batch.rewards[row] == 0 and batch.truncated[row] and len(chunk) == 2
         assert end.pending_ids == pending + chunk and end.prefix_ids == pending + chunk
         rest = dm.rollout_branches([Branch.from_rollout(batch, row)], n=2, seed=3)
         assert rest.extras[BRANCH_PREFIX_TOKENS].tolist() == [5, 5]
         assert (rest.loss_mask.sum(dim=1) <= 1).all()  # 6 - 3 - 2: the turn's own limit still holds
-        assert rest.terminated.all() and (rest.rewards == 0.5).all()  # finished and scored
+        assert rest.ends.terminated.all() and (rest.rewards == 0.5).all()  # finished and scored
     with pytest.raises(ValueError, match="no room in a turn of 6"):
         dm.rollout_branches([Branch(prompt, [5] * 6, pending_ids=[5] * 6)])
 
@@ -189,7 +191,7 @@ def test_the_strategy_owns_the_group_size_and_branches_from_gets_the_steps_promp
 
 def test_replay_stores_survive_weights_only_checkpoints(tmp_path, guess):
     _, batch = _heldout(guess, max_turns=2)
-    cut = [r for r in range(batch.num_rows) if not batch.terminated[r]]
+    cut = [r for r in range(batch.num_rows) if not batch.ends.terminated[r]]
     store = BranchStore(capacity=5)
     store.add([Branch.from_rollout(batch, r, max_turns=3) for r in cut])
     assert len(store) == 5 and store.items[0].prompt == batch.prompts[cut[-5]]  # the oldest went
@@ -205,7 +207,7 @@ def test_replay_stores_survive_weights_only_checkpoints(tmp_path, guess):
 
     torch.save(RolloutProducer._pack(batch), tmp_path / "b.ckpt")
     back = RolloutProducer._unpack(torch.load(tmp_path / "b.ckpt", weights_only=True), "cpu")
-    assert back.end_states == batch.end_states and torch.equal(back.terminated, batch.terminated)
+    assert back.ends.states == batch.ends.states and torch.equal(back.ends.terminated, batch.ends.terminated)
 
 
 def test_an_end_state_under_a_chat_template_continues_the_templates_rendering():
@@ -222,11 +224,11 @@ def test_an_end_state_under_a_chat_template_continues_the_templates_rendering():
                   prompt_format=PromptFormat(use_chat_template=True))
     dm = _bound(RolloutDataModule(**common, strategy=GroupRollout(max_turns=1, max_episode_tokens=80)), module)
     first = dm.rollout(dm.prompt_batch(0))
-    assert not first.terminated.any() and first.truncated.all()  # the environment wanted more turns
-    end = first.end_states[0]
+    assert not first.ends.terminated.any() and first.truncated.all()  # the environment wanted more turns
+    end = first.ends.states[0]
     assert end.turns[0][1] == "n1:" and "3u:n1:|4a:" in tok.decode(end.final_obs_ids)
     rest = dm.rollout_branches([Branch.from_rollout(first, 0, max_turns=2)], n=2, seed=1)
-    assert rest.terminated.all() and (rest.num_turns == 2).all()  # turns 2 and 3 end the environment's episode
+    assert rest.ends.terminated.all() and (rest.num_turns == 2).all()  # turns 2 and 3 end the environment's episode
     for row in range(2):
         context = rest.input_ids[row, : rest.prompt_length][rest.attention_mask[row, : rest.prompt_length].bool()]
         trajectory = context.tolist() + _real(rest, row)
@@ -278,7 +280,7 @@ def test_an_environment_that_cannot_be_snapshotted_still_trains_and_says_why_it_
     dm = _bound(RolloutDataModule(task=Task(), prompts_per_step=1, group_size=2, strategy=GroupRollout(max_turns=2),
                                   sampling=Sampling(max_new_tokens=3)), module)
     batch = dm.rollout(dm.prompt_batch(0))
-    assert batch.cut.all() and batch.end_states[0].snapshot_error.startswith("TypeError: cannot pickle")
+    assert batch.ends.cut.all() and batch.ends.states[0].snapshot_error.startswith("TypeError: cannot pickle")
     with pytest.raises(ValueError, match="could not be snapshotted"):
         Branch.from_rollout(batch, 0)
 
