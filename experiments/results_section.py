@@ -66,7 +66,6 @@ SHIPPED = (
     ("LVRL", "shipped_rest", "lvrl_guess"),
     ("LVRL", "reach", "lvrl"),
     ("TEMPO", "reach", "tempo_own_unscaled"),
-    ("TEMPO", "shipped_rest", "tempo_guess"),
     ("TEMPO", "shipped_rest", "tempo_calc"),
     ("AC2", "shipped_rest", "ac2"),
     ("AC2", "reach_tuned", "ac2"),

@@ -136,7 +136,7 @@ def test_each_task_preset_writes_its_runs_under_its_own_name():
               "arithmetic_hard": ["grpo", "arithmetic_hard"], "guess_ppo": ["ppo", "guess", "guess_ppo"],
               "guess_grpo": ["grpo", "guess", "guess_grpo"],
               "guess_reinforce": ["reinforce", "guess", "guess_reinforce"],
-              "sao_arithmetic": ["sao", "sao_arithmetic"], "guess_tempo": ["tempo", "guess", "guess_tempo"],
+              "sao_arithmetic": ["sao", "sao_arithmetic"],
               "calculator_tempo": ["tempo", "calculator", "calculator_tempo"],
               "guess_lvrl": ["lvrl", "guess", "guess_lvrl"],
               "arithmetic_hard_ac2": ["ac2", "arithmetic_hard", "arithmetic_hard_ac2"],
@@ -154,8 +154,8 @@ def test_each_task_preset_writes_its_runs_under_its_own_name():
         assert logger.init_args.name == name
 
 
-@pytest.mark.parametrize("task, turns", [("guess", 5), ("calculator", 3)])
-def test_tempo_on_a_task_preset_keeps_its_branch_rollout(task, turns):
+@pytest.mark.parametrize("task, turns, budget", [("calculator", 3, 32), ("reach", 10, 60)])
+def test_tempo_on_a_task_preset_keeps_its_branch_rollout(task, turns, budget):
     """A task preset sets a GroupRollout; TEMPO's preset for the task sets its BranchRollout back, with the task's
     turns and budget and n = data.group_size, and keeps its generative critic."""
     config = parse_only("--config", str(REPO / "configs" / "tempo.yaml"), "--config", str(TASKS / f"{task}.yaml"),
@@ -163,7 +163,7 @@ def test_tempo_on_a_task_preset_keeps_its_branch_rollout(task, turns):
     strategy = config.data.init_args.strategy
     assert strategy.class_path == "rl_lightning.rollout.BranchRollout"
     assert strategy.init_args.n == config.data.init_args.group_size == 4
-    assert strategy.init_args.max_turns == turns and strategy.init_args.max_episode_tokens == 32
+    assert strategy.init_args.max_turns == turns and strategy.init_args.max_episode_tokens == budget
     assert config.model.init_args.critic.class_path.endswith("GenerativeCritic")
 
 
