@@ -374,7 +374,7 @@ def export_run(study: Study, arm: str, seed: int, digest: str) -> Path:
         shutil.copyfile(source / name, out / name)
     finished = json.loads((source / "finished.json").read_text())
     (out / "run.json").write_text(json.dumps({"arm": arm, "seed": seed, "hash": digest, "source": os.path.relpath(
-        source, REPO), "max_steps": finished["max_steps"]}, indent=2) + "\n")
+        source, REPO), "max_steps": finished["max_steps"], "cpu": cpu_model()}, indent=2) + "\n")
     return out
 
 
@@ -421,6 +421,7 @@ class RunData:
     scalars: dict[str, list[tuple[int, float]]]  # tag -> (step, value), sorted
     items: dict[int, list[float]]  # evaluation step -> per-item rewards
     split: str
+    cpu: str | None = None  # the CPU model that exported it (None: not recorded, runs exported before it was)
 
     @property
     def val(self) -> list[tuple[int, float]]:
@@ -472,7 +473,7 @@ def load_exported(folder: Path) -> RunData:
             items.setdefault(int(row["step"]), {})[int(row["item"])] = float(row["reward"])
             split = row["split"]
     return RunData(meta["arm"], int(meta["seed"]), {t: sorted(v) for t, v in scalars.items()},
-                   {s: [d[i] for i in sorted(d)] for s, d in items.items()}, split)
+                   {s: [d[i] for i in sorted(d)] for s, d in items.items()}, split, meta.get("cpu"))
 
 
 def load_study_runs(study: Study) -> dict[str, list[RunData]]:
@@ -551,6 +552,14 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
             *("| " + " | ".join(r) + " |" for r in rows)]
 
 
+def _other_cpus(setup: dict[str, Any], runs: dict[str, list[RunData]]) -> list[str]:
+    """A setup line naming the runs exported on another CPU model than the study's first run (the kernel pins do
+    not make two CPU models agree bit for bit: docs/results.md#the-protocol)."""
+    other = [f"{r.arm} seed {r.seed} ({r.cpu})" for group in runs.values() for r in group
+             if r.cpu is not None and r.cpu != setup["cpu"]]
+    return [f"- **runs made on another CPU model** than {setup['cpu']}: {', '.join(other)}"] if other else []
+
+
 def report_lines(study: Study, runs: dict[str, list[RunData]], setup: dict[str, Any], plot: str | None) -> list[str]:
     k = study.last_k
     splits = sorted({r.split for group in runs.values() for r in group})
@@ -565,6 +574,7 @@ def report_lines(study: Study, runs: dict[str, list[RunData]], setup: dict[str, 
              f"- CPU: {setup['cpu']} (AVX-512: {'yes' if setup['cpu_avx512'] else 'no'}, AMX: "
              f"{'yes' if setup['cpu_amx'] else 'no'}); torch {setup['torch']}, Python {setup['python']}",
              *(["- **uncommitted code**: a trial, not a pinned study"] if setup.get("uncommitted_changes") else []),
+             *_other_cpus(setup, runs),
              f"- `val/reward` is measured on the **{' / '.join(splits)}** split (greedy, one response per item); "
              f"the headline is each run's mean over its last {k} evaluations", "",
              "## Arms", "", *_table(["arm", "configs and arguments", "paired with", "tuned on validation"], [

@@ -142,10 +142,11 @@ def test_each_run_gets_the_pinned_environment():
 
 # ============================================================================ the report, from hand-made CSVs
 def _export(folder: Path, arm: str, seed: int, val: dict[int, float], items: dict[int, list[float]],
-            tokens: float) -> None:
+            tokens: float, cpu: str | None = None) -> None:
     out = folder / "runs" / arm / f"seed{seed}"
     out.mkdir(parents=True)
-    (out / "run.json").write_text(json.dumps({"arm": arm, "seed": seed, "hash": "h", "max_steps": 4}))
+    meta = {"arm": arm, "seed": seed, "hash": "h", "max_steps": 4, **({"cpu": cpu} if cpu else {})}
+    (out / "run.json").write_text(json.dumps(meta))
     with open(out / "scalars.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["step", "perf/optimizer_steps", "perf/sampled_tokens", "perf/step_time", "val/reward"])
@@ -170,7 +171,8 @@ def test_report_headline_and_equal_compute_from_the_csvs(tmp_path):
     b_last = {0: (0.7, 0.9), 1: (0.8, 0.8), 2: (0.6, 1.0)}  # 0.8, 0.8, 0.8: +0.2 on every seed
     for arm, last, tokens in (("a", a_last, 100.0), ("b", b_last, 50.0)):
         for seed, (v2, v4) in last.items():
-            _export(folder, arm, seed, {0: 0.2, 2: v2, 4: v4}, {0: [0.0, 1.0], 2: [v2, v2], 4: [v4, v4]}, tokens)
+            _export(folder, arm, seed, {0: 0.2, 2: v2, 4: v4}, {0: [0.0, 1.0], 2: [v2, v2], 4: [v4, v4]}, tokens,
+                    cpu="Other CPU" if (arm, seed) == ("b", 2) else "CPU" if seed else None)
     runs = S.load_study_runs(study)
     assert [r.last_k(2) for r in runs["a"]] == pytest.approx([0.6, 0.6, 0.6])
     rows = {row[0]: row for row in S.headline_rows(study, runs)}
@@ -185,6 +187,9 @@ def test_report_headline_and_equal_compute_from_the_csvs(tmp_path):
     assert cells["b"][at_tokens].startswith(f"{(0.9 + 0.8 + 1.0) / 3:.3f}")  # b's last evaluation, step 4
     text = "\n".join(S.report_lines(study, runs, json.loads((folder / "setup.json").read_text()), None))
     assert "kernel set `avx2`" in text and "**test** split" in text and "Incomplete" not in text
+    # a run exported on another CPU model is named (fp32 differs between CPU models even under the pins);
+    # runs that did not record one (exported before run.json had it) are not
+    assert "- **runs made on another CPU model** than CPU: b seed 2 (Other CPU)" in text.splitlines()
 
 
 # ============================================================================ end to end (slow)
