@@ -32,6 +32,8 @@ STUDIES = (
                     "CoPE (η 0.001), each with its ablation"),
     ("shipped_rest", "The shipped configs no protocol study had run: TRPO and CoPE (η 0.001) on 2-digit addition, AC2 "
                      "on 3-digit addition, and the smoke-task stacks the configs name"),
+    ("ablations_rest", "The mechanism ablations no study had run: BPCO's clip and bounded head, EasyPPO's weights and "
+                       "critic minibatches (running sums), SAO's band (reach)"),
     ("running_sum", "Running sums written out (long responses): GRPO, and EasyPPO and BPCO with their ablations"),
     ("smollm2_lora", "SmolLM2-135M-Instruct with LoRA adapters: GRPO on word problems, 200 test problems"),
 )
