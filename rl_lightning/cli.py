@@ -33,7 +33,6 @@ import re
 import shutil
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -58,10 +57,6 @@ from rl_lightning.export import export_main
 from rl_lightning.generate import generate_main
 from rl_lightning.replay import replay_main
 from rl_lightning.rollout.datamodule import RolloutDataModule
-
-# RLModule checkpoints after the step on purpose (the state after k updates, with the stream at k).
-warnings.filterwarnings("ignore", message=".*ModelCheckpoint with manual optimization.*")
-
 
 class _RunLineage(Callback):
     """Writes the run identity (``runs.run_identity``) into every checkpoint."""

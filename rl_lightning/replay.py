@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import sys
 import traceback
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import CheckpointIO
 
 from rl_lightning.runs import run_settings
 from rl_lightning.callbacks.safety import FailureDump, GracefulInterrupt, set_rng_state
@@ -79,11 +79,38 @@ def replay(failure_dir: str | Path, build_cli: Callable[..., Any]) -> dict[str, 
     skip = (ModelCheckpoint, FailureDump, GracefulInterrupt)
     trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, skip)]
     trainer.callbacks.append(_RestoreRng(dump["rng"]))
+    trainer.strategy.checkpoint_io = _OwnCallbacksOnly(trainer.strategy.checkpoint_io,
+                                                       {cb.state_key for cb in trainer.callbacks})
     cli.datamodule.inject(batch)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*callbacks used to create the checkpoint.*")
-        trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=str(state))
+    trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=str(state))
     return {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+
+
+class _OwnCallbacksOnly(CheckpointIO):
+    """Reads checkpoints through ``inner`` without the states of callbacks the replaying trainer does not have.
+
+    The replay leaves out the run's checkpoint, interrupt and failure-dump callbacks on purpose; Lightning would
+    otherwise ask for them back ("callbacks used to create the checkpoint need to be provided"). Writes go to
+    ``inner`` unchanged.
+    """
+
+    def __init__(self, inner: CheckpointIO, keep: set[str]) -> None:
+        self.inner, self.keep = inner, keep
+
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict:
+        checkpoint = self.inner.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        if "callbacks" in checkpoint:
+            checkpoint["callbacks"] = {k: v for k, v in checkpoint["callbacks"].items() if k in self.keep}
+        return checkpoint
+
+    def save_checkpoint(self, checkpoint: dict, path: Any, storage_options: Any = None) -> None:
+        self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        self.inner.remove_checkpoint(path)
+
+    def teardown(self) -> None:
+        self.inner.teardown()
 
 
 def replay_main(argv: list[str], build_cli: Callable[..., Any]) -> int:

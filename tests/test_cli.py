@@ -248,6 +248,13 @@ def test_the_private_names_compat_relies_on_still_exist(tmp_path):
     from lightning.pytorch.loggers import TensorBoardLogger
 
     assert callable(Trainer(logger=False)._checkpoint_connector.dump_checkpoint)
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    callback = ModelCheckpoint()
+    for name in ("_should_skip_saving_checkpoint", "_monitor_candidates", "_save_topk_checkpoint",
+                 "_save_last_checkpoint"):
+        assert callable(getattr(callback, name)), name
+    assert (callback._every_n_train_steps, callback._defer_save_until_validation) == (0, False)
+    assert hasattr(callback, "_last_time_checked")
     assert isinstance(TensorBoardLogger(str(tmp_path))._kwargs, dict)
     assert callable(get_signature_parameters)
     assert list(inspect.signature(ArgumentParser._apply_actions).parameters)[:4] == [

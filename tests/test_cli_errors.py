@@ -149,7 +149,7 @@ def test_an_argument_a_subclass_sets_itself_is_refused_by_name(capsys, monkeypat
 def test_an_option_for_the_last_callback_says_which_callback_takes_it(capsys):
     code, line = error_line(capsys, "--trainer.callbacks.init_args.beta", "0.01")
     assert (code, line) == (2, (
-        "rl-lightning: error: command line: trainer.callbacks[2].init_args.beta: unknown key: ModelCheckpoint has "
+        "rl-lightning: error: command line: trainer.callbacks[2].init_args.beta: unknown key: StepCheckpoint has "
         "no argument 'beta'; --trainer.callbacks.beta sets the last callback of the list; to set KLRegularizer's: "
         "--trainer.callbacks+=KLRegularizer --trainer.callbacks.beta 0.01"))
 

@@ -236,7 +236,7 @@ def test_a_stacked_config_with_callbacks_adds_to_the_methods_list_instead_of_rep
                      "    - class_path: rl_lightning.callbacks.RolloutSamples\n"
                      "      init_args:\n        num_samples: 4\n")
     config = parse_only("--config", str(REPO / "configs" / "sao.yaml"), "--config", str(extra)).config
-    assert _names(config) == ["CriticWarmup", "FreezeCriticModules", "RolloutSamples", "ModelCheckpoint",
+    assert _names(config) == ["CriticWarmup", "FreezeCriticModules", "RolloutSamples", "StepCheckpoint",
                               "LearningRateMonitor"]
     samples = config.trainer.callbacks[2].init_args  # a class already in the list: updated in place
     assert (samples.every_n_steps, samples.num_samples) == (10, 4)
@@ -244,9 +244,9 @@ def test_a_stacked_config_with_callbacks_adds_to_the_methods_list_instead_of_rep
 
 
 def test_a_task_preset_with_callbacks_keeps_the_callbacks_the_run_needs(tmp_path, monkeypatch):
-    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+    from lightning.pytorch.callbacks import LearningRateMonitor
 
-    from rl_lightning.callbacks import CriticWarmup, KLRegularizer, RolloutSamples
+    from rl_lightning.callbacks import CriticWarmup, KLRegularizer, RolloutSamples, StepCheckpoint
 
     monkeypatch.chdir(tmp_path)
     extra = tmp_path / "extra.yaml"
@@ -254,7 +254,7 @@ def test_a_task_preset_with_callbacks_keeps_the_callbacks_the_run_needs(tmp_path
     cli = build_cli(["--config", str(REPO / "configs" / "easyppo.yaml"), "--config", str(HARD), "--config",
                      str(extra)], run=False)
     kinds = [type(cb) for cb in cli.trainer.callbacks]
-    for kind in (CriticWarmup, KLRegularizer, RolloutSamples, ModelCheckpoint, LearningRateMonitor):
+    for kind in (CriticWarmup, KLRegularizer, RolloutSamples, StepCheckpoint, LearningRateMonitor):
         assert kinds.count(kind) == 1, kind
     assert kinds.index(CriticWarmup) < kinds.index(KLRegularizer) < kinds.index(RolloutSamples)
 
@@ -266,7 +266,7 @@ def test_a_task_preset_with_callbacks_keeps_the_callbacks_the_run_needs(tmp_path
 ])
 def test_the_kl_penalty_is_turned_on_from_the_command_line_in_the_configs_own_entry(args):
     config = parse_only("--config", str(REPO / "configs" / "stable_reinforce.yaml"), *args).config
-    assert _names(config) == ["KLRegularizer", "RolloutSamples", "ModelCheckpoint"]
+    assert _names(config) == ["KLRegularizer", "RolloutSamples", "StepCheckpoint"]
     kl = config.trainer.callbacks[0].init_args
     assert (kl.beta, kl.estimator, kl.target) == (0.01, "k1", "sampler")  # the config's other settings stay
 
@@ -274,7 +274,7 @@ def test_the_kl_penalty_is_turned_on_from_the_command_line_in_the_configs_own_en
 def test_an_added_callback_takes_the_options_after_it_and_the_list_can_still_be_replaced():
     config = parse_only(*stacked(), "--trainer.callbacks+=LearningRateMonitor", "--trainer.max_steps", "7",
                         "--trainer.callbacks.logging_interval", "step").config
-    assert _names(config) == ["KLRegularizer", "RolloutSamples", "ModelCheckpoint", "LearningRateMonitor"]
+    assert _names(config) == ["KLRegularizer", "RolloutSamples", "StepCheckpoint", "LearningRateMonitor"]
     assert config.trainer.callbacks[3].init_args.logging_interval == "step"
     assert config.trainer.max_steps == 7
     config = parse_only(*stacked(), "--trainer.callbacks=[LearningRateMonitor]").config

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import Logger
 
 from rl_lightning.algorithms import GRPO
+from rl_lightning.callbacks import StepCheckpoint
 from tests.conftest import RecordRollouts, tiny_datamodule, tiny_trainer
 
 
@@ -101,7 +101,7 @@ def test_resume_from_a_step_checkpoint_runs_that_steps_validation(tmp_path):
     assert sorted(straight.val) == [0, 2, 4]
 
     first = _ValLog()
-    steps = ModelCheckpoint(dirpath=tmp_path / "b", every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    steps = StepCheckpoint(dirpath=tmp_path / "b", every_n_train_steps=1, save_top_k=-1, filename="{step}")
     tiny_trainer(tmp_path / "b", max_steps=2, logger=first, enable_checkpointing=True, callbacks=[steps],
                  **validate).fit(_module(), datamodule=tiny_datamodule())
     ckpt = tmp_path / "b" / "step=2.ckpt"

@@ -302,7 +302,7 @@ def test_a_second_interrupt_stops_at_once_with_status_130_and_one_line(tmp_path)
     layer = tmp_path / "slow.yaml"
     layer.write_text(yaml.safe_dump({"trainer": {"callbacks": [
         {"class_path": "tests.helpers.failing.SlowSteps", "init_args": {"step": 3, "seconds": 30.0}},
-        {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {"every_n_train_steps": 1}}]}}))
+        {"class_path": "rl_lightning.callbacks.StepCheckpoint", "init_args": {"every_n_train_steps": 1}}]}}))
     proc = _cli_process(["fit", "--config", GRPO, "--config", str(layer), *tiny(10, val_every=10)], tmp_path)
     run = tmp_path / "runs" / "grpo" / "version_0"
     deadline = time.time() + 300
@@ -329,7 +329,7 @@ def test_a_second_interrupt_stops_at_once_with_status_130_and_one_line(tmp_path)
 def _failing_config(tmp_path: Path, extra_callback: dict | None = None, reward: dict | None = None) -> Path:
     callbacks = [
         {"class_path": "rl_lightning.callbacks.KLRegularizer", "init_args": {"beta": 0.0}},
-        {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+        {"class_path": "rl_lightning.callbacks.StepCheckpoint",
          "init_args": {"every_n_train_steps": 1, "save_last": True, "save_top_k": -1}},
     ]
     if extra_callback:
@@ -365,9 +365,14 @@ def test_a_non_finite_step_is_dumped_and_replays_exactly(tmp_path, monkeypatch, 
     assert any(k.startswith("RolloutDataModule") and v["cursor"] == 2 for k, v in state.items() if isinstance(v, dict))
     dump = torch.load(failure / "batch.pt", weights_only=False)
     assert dump["where"] == "update" and dump["optimizer_steps_before_failure"] == call
-    with pytest.raises(FloatingPointError, match="non-finite loss"):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(FloatingPointError, match="non-finite loss"):
+        warnings.simplefilter("always")
         replay(failure, build_cli)
     assert not (tmp_path / "checkpoints").exists()  # replay writes nothing
+    # the callbacks replay leaves out on purpose are not asked for (no filter hides Lightning's notice)
+    assert [str(w.message) for w in caught if "callbacks used to create" in str(w.message)] == []
     # the state dump also resumes: the run continues from the failed step once the cause is gone
     cli = build_cli(["fit", "--config", GRPO, *tiny(4, val_every=10), "--ckpt_path", str(failure / "state.ckpt")])
     assert cli.trainer.global_step == 4
@@ -433,15 +438,13 @@ def test_failure_snapshots_do_not_log_a_line_every_step(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("final", [False, True])
 def test_a_run_ending_between_two_periodic_saves_gets_the_last_checkpoint_of_its_final_step(tmp_path, final):
-    """Lightning's ModelCheckpoint (every_n_train_steps=2, save_last) leaves the last.ckpt of step 2 after a run of
-    3 steps; FinalCheckpoint (which the CLI adds to every run) writes the one of step 3."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
+    """StepCheckpoint (every_n_train_steps=2, save_last), as Lightning's ModelCheckpoint, leaves the last.ckpt of
+    step 2 after a run of 3 steps; FinalCheckpoint (which the CLI adds to every run) writes the one of step 3."""
     from rl_lightning.algorithms import GRPO
-    from rl_lightning.callbacks import FinalCheckpoint
+    from rl_lightning.callbacks import FinalCheckpoint, StepCheckpoint
     from tests.conftest import tiny_datamodule, tiny_trainer
 
-    checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_last=True, save_top_k=-1)
+    checkpoints = StepCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_last=True, save_top_k=-1)
     trainer = tiny_trainer(tmp_path, max_steps=3, enable_checkpointing=True,
                            callbacks=([FinalCheckpoint()] if final else []) + [checkpoints])
     trainer.fit(GRPO(model_name_or_path="embedded:random"), datamodule=tiny_datamodule())
@@ -451,15 +454,13 @@ def test_a_run_ending_between_two_periodic_saves_gets_the_last_checkpoint_of_its
 
 
 def test_final_checkpoint_writes_nothing_more_when_the_last_save_was_the_final_step(tmp_path):
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
     from rl_lightning.algorithms import GRPO
-    from rl_lightning.callbacks import FinalCheckpoint
+    from rl_lightning.callbacks import FinalCheckpoint, StepCheckpoint
     from tests.conftest import tiny_datamodule, tiny_trainer
 
     trainer = tiny_trainer(tmp_path, max_steps=2, enable_checkpointing=True,
                            callbacks=[FinalCheckpoint(),
-                                      ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2,
+                                      StepCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2,
                                                       save_last=True, save_top_k=-1)])
     saved: list[tuple[str, int]] = []
     save = trainer.save_checkpoint
@@ -468,23 +469,21 @@ def test_final_checkpoint_writes_nothing_more_when_the_last_save_was_the_final_s
         saved.append((Path(filepath).name, trainer.global_step))
         return save(filepath, *args, **kwargs)
 
-    trainer.save_checkpoint = counted  # every write, ModelCheckpoint's and FinalCheckpoint's, goes through it
+    trainer.save_checkpoint = counted  # every write, StepCheckpoint's and FinalCheckpoint's, goes through it
     trainer.fit(GRPO(model_name_or_path="embedded:random"), datamodule=tiny_datamodule())
     assert saved == [("epoch=0-step=2.ckpt", 2), ("last.ckpt", 2)]  # once each, at step 2
 
 
 def test_weights_only_checkpoints_hold_the_weights_and_no_optimiser_state(tmp_path):
-    """The documented setting for short experiments (docs/real_models.md#checkpoints): ModelCheckpoint's
+    """The documented setting for short experiments (docs/real_models.md#checkpoints): StepCheckpoint's
     save_weights_only; the run's final last.ckpt (FinalCheckpoint) is weights-only too."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
     from rl_lightning.algorithms import GRPO
-    from rl_lightning.callbacks import FinalCheckpoint
+    from rl_lightning.callbacks import FinalCheckpoint, StepCheckpoint
     from tests.conftest import tiny_datamodule, tiny_trainer
 
     def run(weights_only: bool) -> dict:
         root = tmp_path / str(weights_only)
-        checkpoint = ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_last=True, save_top_k=-1,
+        checkpoint = StepCheckpoint(dirpath=root, every_n_train_steps=2, save_last=True, save_top_k=-1,
                                      save_weights_only=weights_only)
         module = GRPO(model_name_or_path="embedded:arithmetic")
         tiny_trainer(root, max_steps=3, callbacks=[checkpoint, FinalCheckpoint()], enable_checkpointing=True).fit(
@@ -498,3 +497,35 @@ def test_weights_only_checkpoints_hold_the_weights_and_no_optimiser_state(tmp_pa
     assert "optimizer_states" in run(False)
     light = run(True)
     assert "optimizer_states" not in light and "lr_schedulers" not in light
+
+
+def test_step_checkpoint_saves_what_model_checkpoint_saves_without_its_manual_optimisation_notice(tmp_path):
+    """The shipped configs' StepCheckpoint writes the same files at the same steps, with the same weights, as
+    Lightning's ModelCheckpoint; only ModelCheckpoint warns that they hold the post-update state."""
+    import warnings
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from rl_lightning.algorithms import GRPO
+    from rl_lightning.callbacks import StepCheckpoint
+    from tests.conftest import tiny_datamodule, tiny_trainer
+
+    def run(kind: type) -> tuple[dict, list[str]]:
+        root = tmp_path / kind.__name__
+        checkpoint = kind(dirpath=root, every_n_train_steps=2, save_last=True, save_top_k=-1)
+        trainer = tiny_trainer(root, max_steps=4, callbacks=[checkpoint], enable_checkpointing=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(GRPO(model_name_or_path="embedded:random"), datamodule=tiny_datamodule())
+        files = {p.name: torch.load(p, map_location="cpu", weights_only=False) for p in root.glob("*.ckpt")}
+        return files, [str(w.message) for w in caught if "manual optimization" in str(w.message)]
+
+    lightning_files, lightning_notices = run(ModelCheckpoint)
+    step_files, step_notices = run(StepCheckpoint)
+    assert len(lightning_notices) >= 1 and step_notices == []
+    assert sorted(step_files) == sorted(lightning_files) == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt",
+                                                              "last.ckpt"]
+    for name, saved in step_files.items():
+        assert saved["global_step"] == lightning_files[name]["global_step"]
+        for key, value in saved["state_dict"].items():
+            assert torch.equal(value, lightning_files[name]["state_dict"][key]), (name, key)

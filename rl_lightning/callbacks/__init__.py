@@ -8,11 +8,11 @@ from rl_lightning.callbacks.memory import GradientCheckpointing
 from rl_lightning.callbacks.progress import RLProgressBar
 from rl_lightning.callbacks.reward_check import ConstantRewardWarning
 from rl_lightning.callbacks.safety import (AtomicCheckpointIO, FailureDump, FinalCheckpoint, GracefulInterrupt,
-                                          RunInterrupted)
+                                          RunInterrupted, StepCheckpoint)
 from rl_lightning.callbacks.samples import RolloutSamples
 
 __all__ = [
     "AtomicCheckpointIO", "ConstantRewardWarning", "CriticWarmup", "FailureDump", "FinalCheckpoint", "FullRolloutAudit",
     "GradientCheckpointing", "FreezeCriticModules", "GracefulInterrupt", "KLRegularizer",
-    "RLProgressBar", "RolloutSamples", "RunInterrupted",
+    "RLProgressBar", "RolloutSamples", "RunInterrupted", "StepCheckpoint",
 ]

@@ -9,6 +9,7 @@ The rest of the package uses only public API; where it needs one of these, it ca
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from jsonargparse import Namespace
@@ -38,6 +39,27 @@ def stale_last_checkpoint(callback: Any, trainer: Trainer) -> bool:
     """
     return bool(callback.save_last) and bool(callback._last_checkpoint_saved) and (
         callback._last_global_step_saved != trainer.global_step)
+
+
+def save_every_n_train_steps(callback: Any, trainer: Trainer) -> None:
+    """What ``ModelCheckpoint.on_train_batch_end`` does for a manual-optimisation module, without its notice.
+
+    lightning 2.6.6 (callbacks/model_checkpoint.py:349-422): at a step that is a multiple of
+    ``_every_n_train_steps``, unless ``_should_skip_saving_checkpoint``, it saves ``_save_topk_checkpoint`` and
+    ``_save_last_checkpoint`` with ``_monitor_candidates`` (deferring to validation when the monitored metric is not
+    logged yet), and warns once that the files hold the state after the optimiser step.
+    """
+    if callback._every_n_train_steps < 1 or trainer.global_step % callback._every_n_train_steps:
+        return
+    if callback._should_skip_saving_checkpoint(trainer):
+        return
+    candidates = callback._monitor_candidates(trainer)
+    if callback.monitor is not None and callback.monitor not in candidates:
+        callback._defer_save_until_validation = True
+        return
+    callback._save_topk_checkpoint(trainer, candidates)
+    callback._save_last_checkpoint(trainer, candidates)
+    callback._last_time_checked = time.monotonic()
 
 
 def set_purge_step(logger: TensorBoardLogger, step: int) -> None:

@@ -175,6 +175,25 @@ class GracefulInterrupt(Callback):
         self._restore()
 
 
+class StepCheckpoint(ModelCheckpoint):
+    """Lightning's ``ModelCheckpoint`` for modules that optimise by hand and checkpoint after the step's update.
+
+    Every method here sets ``automatic_optimization = False``; the checkpoint of step k holds the weights after k
+    updates with the prompt stream at k, which is what a resume needs. ``ModelCheckpoint`` writes exactly these files
+    at these steps too, but warns at its first save that they hold the post-update state (a notice meant for modules
+    that wanted the pre-update one). This subclass saves the same files at the same steps without that notice
+    (``compat.save_every_n_train_steps``); every setting and everything else is Lightning's. The shipped configs use
+    it; a plain ``ModelCheckpoint`` works the same and prints the notice once.
+    """
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if pl_module.automatic_optimization:
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        else:
+            compat.save_every_n_train_steps(self, trainer)
+
+
 class FinalCheckpoint(Callback):
     """At the end of a run, write ``last.ckpt`` of its final step when the ``ModelCheckpoint`` (``save_last``)
     last wrote it at an earlier step: with ``every_n_train_steps: 50`` and ``max_steps: 120`` Lightning keeps

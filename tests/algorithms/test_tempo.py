@@ -9,9 +9,9 @@ import hashlib
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 
 from rl_lightning.algorithms import TEMPO
+from rl_lightning.callbacks import StepCheckpoint
 from rl_lightning.algorithms.generative_critic import ADVANTAGE, BIN, GenerativeCritic, end_history
 from rl_lightning.algorithms.tempo import QUERIED, REPLAYED, RETURN, TARGET
 from rl_lightning.cli import build_cli
@@ -139,9 +139,9 @@ def _fit(root, steps: int, ckpt_path: str | None = None) -> str:
                      f"--trainer.default_root_dir={root}", "--trainer.logger=false", "--trainer.limit_val_batches=0",
                      "--trainer.enable_progress_bar=false", "--model.init_args.warmup_steps=1",
                      "--model.init_args.replay=2", "--data.init_args.prompts_per_step=2"], run=False, save_config=False)
-    for cb in [cb for cb in cli.trainer.callbacks if isinstance(cb, ModelCheckpoint)]:
+    for cb in [cb for cb in cli.trainer.callbacks if isinstance(cb, StepCheckpoint)]:
         cli.trainer.callbacks.remove(cb)
-    cli.trainer.callbacks.append(ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=1, save_top_k=-1))
+    cli.trainer.callbacks.append(StepCheckpoint(dirpath=root / "ckpt", every_n_train_steps=1, save_top_k=-1))
     cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path)
     digest = hashlib.sha256()
     for param in cli.model.parameters():

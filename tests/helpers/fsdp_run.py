@@ -19,12 +19,12 @@ from pathlib import Path
 
 import torch
 from lightning.pytorch import Callback, Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from rl_lightning.algorithms import GRPO  # noqa: E402
+from rl_lightning.callbacks import StepCheckpoint  # noqa: E402
 from rl_lightning.models.sharding import full_state_dict  # noqa: E402
 from tests.conftest import tiny_datamodule  # noqa: E402
 from tests.helpers.ddp_run import GradedMatch  # noqa: E402
@@ -56,7 +56,7 @@ def main() -> None:
     trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
                       enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                       limit_val_batches=0, default_root_dir=str(out),
-                      callbacks=[norms, ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=1, save_top_k=-1)])
+                      callbacks=[norms, StepCheckpoint(dirpath=out / "ckpt", every_n_train_steps=1, save_top_k=-1)])
     trainer.fit(module, datamodule=dm, ckpt_path=resume)
     weights = {k: v.detach().cpu().clone() for k, v in full_state_dict(module.policy).items()}
     torch.save({"weights": weights, "grad_norms": norms.norms, "step": trainer.global_step},
