@@ -28,7 +28,11 @@ gets the kernel set's environment (``PINS``: PyTorch's own kernels by ``ATEN_CPU
 ``MKL_CBWR`` and ``MKL_ENABLE_INSTRUCTIONS``, oneDNN's by ``ONEDNN_MAX_CPU_ISA``) and the thread count
 (``OMP_NUM_THREADS``, ``MKL_NUM_THREADS``). A later ``run`` with other code (a changed tree, or uncommitted changes
 under those folders), another kernel set or thread count is refused: one study, one setup. ``avx2`` is the default
-because every x86 machine of this kind has it (AVX-512 machines run its kernels too).
+because every x86 machine of this kind has it (AVX-512 machines run its kernels too). The CPU model is recorded
+per run but not enforced: the pins do not make two CPU models agree bit for bit (an Intel Xeon and an AMD EPYC
+differ from step 0 in the last digits), yet a study continued over sessions may land on another model, and each
+seed stays an independent sample of the same setup. The report names every run made on another CPU model than the
+study's first, so a reader can see it and drop those runs.
 
 **Finished runs** are matched by a hash of the fully resolved config (``rl-lightning fit --print_config`` of the
 arm's stack with the seed set, minus the logger's directory fields): each run lives in
