@@ -245,8 +245,8 @@ def episode_batch(tokenizer: PreTrainedTokenizerBase, episodes: Iterable[tuple[s
 def turn_ids(batch: RolloutBatch, row: int) -> list[list[int]]:
     """The ids the model sampled in each turn of episode ``row`` (``<eos>`` included where the turn closed)."""
     response = batch.input_ids[row, batch.prompt_length:].tolist()
-    turn_index = batch.turn_index[row].tolist()
-    return [[tok for tok, t in zip(response, turn_index) if t == k] for k in range(int(batch.num_turns[row]))]
+    turn_index = batch.turns.index[row].tolist()
+    return [[tok for tok, t in zip(response, turn_index) if t == k] for k in range(int(batch.turns.count[row]))]
 
 
 @dataclass(frozen=True)
@@ -340,7 +340,7 @@ def check_layout(dm: RolloutDataModule, tokenizer: PreTrainedTokenizerBase, step
                  skip_special_tokens: bool = False) -> tuple[list[list[str]], int, int]:
     """Rebuild sampled rollouts' ids with ``episode_ids`` and compare with ``RolloutBatch.input_ids``.
 
-    Actions come from the model tokens (``turn_index``) of each row; observations from replaying the actions in
+    Actions come from the model tokens (``turns.index``) of each row; observations from replaying the actions in
     a fresh environment of the task (its return must be the rollout's reward). Episodes with a turn cut without
     ``<eos>`` (not in the training layout) are counted, not compared; so are, with ``skip_special_tokens``, those
     with a sampled special token inside a turn (its text is not its ids). Exits on the first difference.

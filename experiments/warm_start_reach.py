@@ -188,7 +188,7 @@ def greedy_stats(dm: RolloutDataModule, split: str) -> dict:
         for batch in dm.val_prompt_batches():
             out = dm.rollout(batch)
             rewards += out.rewards.tolist()
-            turns += out.num_turns.tolist()
+            turns += out.turns.count.tolist()
     finally:
         dm.evaluation = held
     return {"success": round(statistics.mean(rewards), 4), "turns": round(statistics.mean(turns), 3),
@@ -199,7 +199,7 @@ def greedy_stats(dm: RolloutDataModule, split: str) -> dict:
 def sampled_stats(dm: RolloutDataModule, steps: int) -> dict:
     """``common.sampled_success`` with the mean turns and the share of episodes of >= 8 turns of the same rollouts."""
     stats = common.sampled_success(dm, steps)
-    turns = torch.cat([b.num_turns.float() for b in common.training_rollouts(dm, steps)])
+    turns = torch.cat([b.turns.count.float() for b in common.training_rollouts(dm, steps)])
     return {**stats, "mean_turns": round(float(turns.mean()), 3),
             "share_8_or_more_turns": round(float((turns >= 8).float().mean()), 4)}
 

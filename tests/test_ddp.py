@@ -284,12 +284,12 @@ def test_ddp_dynamic_sampling_on_multi_turn_episodes_keeps_the_ranks_in_step(tmp
         for rank in (0, 1):
             batch = _step(out, step, rank)["batch"]
             assert batch["rewards"].numel() == 8
-            assert batch["num_turns"] is not None and int(batch["num_turns"].max()) > 1  # episodes, not single turns
+            assert "turns.count" in batch and int(batch["turns.count"].max()) > 1  # episodes, not single turns
             for row in range(8):
-                generated = batch["turn_index"][row][batch["loss_mask"][row].bool()]
-                assert int(generated.max()) + 1 == int(batch["num_turns"][row])
-                assert bool((batch["turn_index"][row][~batch["loss_mask"][row].bool()] == -1).all())
-            assert torch.allclose(torch.nan_to_num(batch["turn_rewards"]).sum(dim=1), batch["rewards"])
+                generated = batch["turns.index"][row][batch["loss_mask"][row].bool()]
+                assert int(generated.max()) + 1 == int(batch["turns.count"][row])
+                assert bool((batch["turns.index"][row][~batch["loss_mask"][row].bool()] == -1).all())
+            assert torch.allclose(torch.nan_to_num(batch["turns.rewards"]).sum(dim=1), batch["rewards"])
 
 
 def test_spo_tracker_is_the_same_on_every_rank_and_holds_every_ranks_prompts(tmp_path_factory):

@@ -197,7 +197,7 @@ def test_the_countdown_environment_runs_as_multi_turn_episodes():
                            sampling=Sampling(max_new_tokens=3))
     dm.trainer = fake_trainer(module)
     batch = dm.rollout(dm.prompt_batch(0))
-    assert (batch.num_turns == 3).all() and batch.obs_mask.sum() > 0
+    assert (batch.turns.count == 3).all() and batch.turns.obs_mask.sum() > 0
 
 
 def test_prioritized_grpo_draws_the_prompts_it_fails_more_often(tmp_path):
@@ -311,12 +311,12 @@ def test_the_branching_example_continues_from_stored_end_states(tmp_path):
     tiny_trainer(tmp_path, max_steps=3, callbacks=[capture]).fit(module, datamodule=dm)
     first, second, _ = capture.batches
     assert first.num_rows == 8 and second.num_rows == 16 and second.group_size == 4  # 2 fresh + 2 replayed
-    assert (first.num_turns <= 2).all()  # the horizon, not the strategy's 5 turns
+    assert (first.turns.count <= 2).all()  # the horizon, not the strategy's 5 turns
     tok, p = module.tokenizer, second.prompt_length
     fresh = len(tok("guess 1-31:", add_special_tokens=False)["input_ids"]) + 1  # BOS + the first observation
     context = second.attention_mask[:, :p].sum(dim=1)
     assert (context[:8] == fresh).all() and (context[8:] > fresh).all()  # replayed rows carry their prefix
-    assert (context[8:] + (second.loss_mask | second.obs_mask).sum(dim=1)[8:] <= fresh + 32).all()  # the budget
+    assert (context[8:] + (second.loss_mask | second.turns.obs_mask).sum(dim=1)[8:] <= fresh + 32).all()  # the budget
     stored = module.store.items[-1]
     assert stored.max_turns == 2 and stored.env_state is not None and len(module.store) > 2
     checkpoint: dict = {}

@@ -84,7 +84,7 @@ def test_smollm2_multi_turn_trajectory_is_the_chat_templates_rendering():
     batch = dm.rollout(dm.val_prompt_batches()[0])  # greedy
     tok = module.tokenizer
     for row in range(batch.num_rows):
-        turns = int(batch.num_turns[row])
+        turns = int(batch.turns.count[row])
         assert turns >= 2
         trajectory, rendered = conversation_ids(tok, batch, row, ["n1:", "n2:"][: turns - 1])
         # the same ids up to the end of the last turn (a turn cut before <|im_end|> gets it from the template's

@@ -78,9 +78,6 @@ class CoPE(GRPO):
     def compute_advantages(self, batch: RolloutBatch) -> Advantages:
         """GRPO's advantages with the rows' AF weights (``forecast_weights``, ``E_x`` over every prompt of every
         rank) in ``Advantages.rows``, so micro-batches, minibatches and devices only slice them."""
-        if batch.turn_index is None and batch.obs_mask is not None:
-            raise ValueError("CoPE: this multi-turn batch has no turn_index, so its actions are unknown; "
-                             "produce it with rl_lightning.rollout.GroupRollout")
         prompts = self.ranks.sum(torch.tensor(float(batch.num_rows // batch.group_size), device=batch.rewards.device))
         weights = forecast_weights(batch.rewards, batch.group_size, self.success_threshold, float(prompts))
         weights = weights * self.ranks.world_size  # cancels DDP's gradient averaging, like loss_weights
@@ -101,7 +98,7 @@ class CoPE(GRPO):
         rows = (row_weights > 0).nonzero().flatten().tolist() if self.forecast_coef > 0 else []
         contexts, targets, owners = [], [], []
         for row in rows:
-            turns = None if batch.turn_index is None else batch.turn_index[row]
+            turns = None if batch.turns is None else batch.turns.index[row]
             for context, target in forecast_pairs(batch.input_ids[row], batch.attention_mask[row],
                                                   batch.prompt_length, batch.loss_mask[row], turns,
                                                   self.instruction_ids, self.forecast_horizon,

@@ -8,7 +8,7 @@ between its ``T`` actions; anchored at ``Ṽ_0 = R̄_G`` (the group's mean rewar
 
 with ``σ_G`` the population std of every step ``Ā_t`` of the group (``functional.anchored_credit``,
 ``group_step_normalized``). Every token of action ``t`` gets ``A_t``; observation tokens get none
-(``functional.turn_token_advantages`` over ``RolloutBatch.turn_index``). The loss is GRPO's clipped surrogate on
+(``functional.turn_token_advantages`` over ``RolloutBatch.turns.index``). The loss is GRPO's clipped surrogate on
 these per-token advantages. A single-turn response is one action, and LVRL is then exactly GRPO. Not validated
 at scale.
 """
@@ -63,13 +63,10 @@ class LVRL(GRPO):
         self.reward_range = (float(reward_range[0]), float(reward_range[1]))
 
     def action_index(self, batch: RolloutBatch) -> Tensor:
-        """``[N, T]`` the action of every generated token (-1 elsewhere): the batch's ``turn_index``; a single-turn
+        """``[N, T]`` the action of every generated token (-1 elsewhere): the batch's ``turns.index``; a single-turn
         response is action 0."""
-        if batch.turn_index is not None:
-            return batch.turn_index
-        if batch.obs_mask is not None:
-            raise ValueError("LVRL: this multi-turn batch has no turn_index, so its actions are unknown; "
-                             "produce it with rl_lightning.rollout.GroupRollout")
+        if batch.turns is not None:
+            return batch.turns.index
         return torch.where(batch.loss_mask.bool(), 0, -1)
 
     @override

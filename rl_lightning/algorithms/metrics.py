@@ -144,8 +144,8 @@ def rollout_metrics(batch: Any) -> dict[str, Tensor]:
     ``train/reward/<name>``."""
     rewards = batch.rewards.float()
     groups = rewards.view(-1, batch.group_size)
-    episodes = {} if batch.num_turns is None else {"train/num_turns": batch.num_turns.float().mean()}
-    if batch.num_turns is not None or batch.env_errors:
+    episodes = {} if batch.turns is None else {"train/num_turns": batch.turns.count.float().mean()}
+    if batch.turns is not None or batch.env_errors:
         episodes["train/env_errors"] = torch.tensor(float(batch.env_errors))
     parts = {f"train/{key}": value.float().nanmean() for key, value in batch.extras.items()
              if key.startswith("reward/")}

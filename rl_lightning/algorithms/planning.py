@@ -31,8 +31,8 @@ PlannedStep = tuple[int, int, Tensor, list[Tensor]]
 
 
 #: the per-token ``RolloutBatch`` fields (second dimension ``T``) that ``trim_padding`` cuts with the response
-#: (and every tensor of ``batch.record``)
-_TOKEN_FIELDS = ("loss_mask", "sampler_logprobs", "obs_mask", "ref_logprobs", "proximal_logprobs", "turn_index")
+#: (and every tensor of ``batch.record``, and ``obs_mask`` and ``index`` of ``batch.turns``)
+_TOKEN_FIELDS = ("loss_mask", "sampler_logprobs", "ref_logprobs", "proximal_logprobs")
 
 
 def trim_padding(batch: RolloutBatch) -> RolloutBatch:
@@ -56,13 +56,17 @@ def trim_padding(batch: RolloutBatch) -> RolloutBatch:
         return batch
     known = {"input_ids", "attention_mask", *_TOKEN_FIELDS}
     others = [getattr(batch, f.name) for f in fields(batch) if f.name not in known] + list(batch.extras.values())
+    if batch.turns is not None:  # its per-row tensors are checked as the fields are (turns.rewards: [N, K])
+        others += [batch.turns.count, batch.turns.rewards]
     if any(isinstance(v, Tensor) and v.dim() >= 2 and v.shape[1] in (t, p + t) for v in others):
         return batch
     width = min(width, t)
     cut = {name: getattr(batch, name)[:, :width] for name in _TOKEN_FIELDS if getattr(batch, name) is not None}
+    turns = None if batch.turns is None else replace(batch.turns, obs_mask=batch.turns.obs_mask[:, :width],
+                                                     index=batch.turns.index[:, :width])
     return replace(batch, input_ids=batch.input_ids[:, left:p + width],
                    attention_mask=batch.attention_mask[:, left:p + width], prompt_length=p - left, **cut,
-                   record=batch.record.map(lambda value: value[:, :width]))
+                   record=batch.record.map(lambda value: value[:, :width]), turns=turns)
 
 
 

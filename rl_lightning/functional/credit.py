@@ -3,7 +3,7 @@ docs/algorithms.md, LVRL) and its broadcast to the tokens of each action.
 
 Shapes: ``N`` rows (groups of ``G`` contiguous rows), ``K`` action steps (turns), ``T`` response tokens. An episode
 ``b`` has ``T_b`` actions, ``turn_mask [N, K]`` is 1 on its first ``T_b`` steps (left-aligned); ``turn_index
-[N, T]`` is the action of every model-generated token, -1 on observations and padding (``RolloutBatch.turn_index``).
+[N, T]`` is the action of every model-generated token, -1 on observations and padding (``RolloutBatch.turns.index``).
 ``T_b`` counts actions, not tokens.
 """
 
@@ -183,7 +183,7 @@ def turn_token_advantages(step_adv: Tensor, turn_index: Tensor) -> Tensor:
 
     Args:
         step_adv: ``[N, K]`` per-action advantages.
-        turn_index: ``[N, T]`` the action of each token, -1 off actions (``RolloutBatch.turn_index``); every value
+        turn_index: ``[N, T]`` the action of each token, -1 off actions (``RolloutBatch.turns.index``); every value
             must be ``< K``.
 
     Example:

@@ -1,6 +1,8 @@
 """Data production: prompt streams, rollout engines and strategies, and the ``RolloutBatch`` container."""
 
-from rl_lightning.rollout.batch import EndState, EpisodeEnds, PromptBatch, RolloutBatch, SamplerRecord, StepRequest
+from rl_lightning.rollout.batch import (
+    EndState, EpisodeEnds, PromptBatch, RolloutBatch, SamplerRecord, StepRequest, Turns,
+)
 from rl_lightning.rollout.branching import Branch, BranchRollout, BranchStore
 from rl_lightning.rollout.datamodule import RolloutDataModule
 from rl_lightning.rollout.encoding import PromptEncoder
@@ -55,6 +57,7 @@ __all__ = [
     "SequentialSampler",
     "StepRequest",
     "Turn",
+    "Turns",
     "VLLMEngine",
     "VLLMServerEngine",
     "WeightedSampler",

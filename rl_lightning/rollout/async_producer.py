@@ -29,9 +29,12 @@ import torch
 from torch import nn
 
 from rl_lightning.envs.base import Prompt
-from rl_lightning.rollout.batch import EndState, EpisodeEnds, RolloutBatch, SamplerRecord
+from rl_lightning.rollout.batch import EndState, EpisodeEnds, RolloutBatch, SamplerRecord, Turns
 from rl_lightning.rollout.engine import RolloutEngine
 from rl_lightning.rollout.sync import SamplerSync
+
+#: the fields of ``Turns`` and their names as fields of the batch, in checkpoints written before it was a group
+_FLAT_TURNS = {"obs_mask": "obs_mask", "index": "turn_index", "count": "num_turns", "rewards": "turn_rewards"}
 
 
 @dataclass
@@ -116,6 +119,8 @@ class RolloutProducer:
         state = {f.name: getattr(batch, f.name) for f in fields(batch)}
         state["prompts"] = [p.to_state() for p in batch.prompts]
         state["record"] = {k: v.to("cpu") for k, v in batch.record.tensors().items()}
+        if batch.turns is not None:
+            state["turns"] = {k: v.to("cpu") for k, v in batch.turns.tensors().items()}
         if batch.ends is not None:
             state["ends"] = {"terminated": batch.ends.terminated.to("cpu"),
                              "states": [None if e is None else e.to_state() for e in batch.ends.states]}
@@ -124,10 +129,17 @@ class RolloutProducer:
     @staticmethod
     def _unpack(state: dict[str, Any], device: torch.device | str) -> RolloutBatch:
         values = dict(state, prompts=[Prompt.from_state(p) for p in state["prompts"]])
-        # a checkpoint written before the record and the ends were groups holds their parts as fields of the batch
+        # a checkpoint written before the record, the turns and the ends were groups holds their parts as fields of
+        # the batch (the turns' as obs_mask, turn_index, num_turns and turn_rewards)
         record = {**values.pop("record", {}),
                   **{f.name: values.pop(f.name) for f in fields(SamplerRecord) if f.name in values}}
         values["record"] = SamplerRecord(**{k: v for k, v in record.items() if v is not None})
+        turns = values.pop("turns", None)
+        flat = {name: values.pop(old) for name, old in _FLAT_TURNS.items() if old in values}
+        if turns is None and any(v is not None for v in flat.values()):
+            turns = flat
+        if turns is not None:
+            values["turns"] = Turns(**turns)
         ends = values.pop("ends", None)
         terminated, states = values.pop("terminated", None), values.pop("end_states", None)
         if ends is None and terminated is not None and states is not None:

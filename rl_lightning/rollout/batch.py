@@ -149,12 +149,62 @@ class SamplerRecord:
         return replace(self, **{name: fn(value) for name, value in self.tensors().items()})
 
 
+def _widen(value: Tensor, width: int, fill: float, left: bool = False) -> Tensor:
+    """``value`` (``[N, W, ...]``) padded with ``fill`` to ``width`` columns, on the right (``left``: the left)."""
+    extra = width - value.shape[1]
+    if extra == 0:
+        return value
+    pad = value.new_full((value.shape[0], extra, *value.shape[2:]), fill)
+    return torch.cat([pad, value] if left else [value, pad], dim=1)
+
+
+@dataclass(frozen=True)
+class Turns:
+    """The turn structure of multi-turn episodes, as the built-in strategies lay it out (``GroupRollout`` with
+    ``max_turns > 1``, ``BranchRollout``): where the observations are, which turn each generated token belongs to,
+    and what each turn earned. A single-turn batch has none (``RolloutBatch.turns`` is ``None``).
+
+    Attributes:
+        obs_mask: ``[N, T]`` 1 on observation tokens (context, never loss), 0 elsewhere.
+        index: ``[N, T]`` the turn (0, 1, ...) of every model-generated token, -1 elsewhere (observations,
+            padding).
+        count: ``[N]`` model turns of each episode.
+        rewards: ``[N, K]`` the reward of each turn (``K``: the most turns of any row), NaN after the episode's
+            last; ``RolloutBatch.rewards`` is their sum.
+    """
+
+    obs_mask: Tensor
+    index: Tensor
+    count: Tensor
+    rewards: Tensor
+
+    def tensors(self) -> dict[str, Tensor]:
+        """The tensors by name."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def map(self, fn: Callable[[Tensor], Tensor]) -> Turns:
+        """The turns with ``fn`` applied to every tensor (move, slice)."""
+        return Turns(**{name: fn(value) for name, value in self.tensors().items()})
+
+    def select(self, rows: Tensor) -> Turns:
+        """The turns of ``rows`` (a 1-D index tensor)."""
+        return self.map(lambda value: value[rows])
+
+    @classmethod
+    def concat(cls, turns: list[Turns], width: int) -> Turns:
+        """The rows of ``turns`` in order: ``obs_mask`` right-padded with 0 and ``index`` with -1 to ``width``
+        response positions, ``rewards`` with NaN to the most turns."""
+        most = max(x.rewards.shape[1] for x in turns)
+        return cls(obs_mask=torch.cat([_widen(x.obs_mask, width, 0) for x in turns]),
+                   index=torch.cat([_widen(x.index, width, -1) for x in turns]),
+                   count=torch.cat([x.count for x in turns]),
+                   rewards=torch.cat([_widen(x.rewards, most, float("nan")) for x in turns]))
+
+
 # Per-row tensors whose first dimension is N, moved and sliced together. Optional ones may be None.
 _ROW_TENSORS = (
     "input_ids", "attention_mask", "loss_mask", "sampler_logprobs", "rewards", "prompt_index", "truncated",
-    "obs_mask", "ref_logprobs", "proximal_logprobs",
-    "turn_index",
-    "num_turns", "turn_rewards", "prompt_id",
+    "ref_logprobs", "proximal_logprobs", "prompt_id",
 )
 
 
@@ -176,16 +226,15 @@ class RolloutBatch:
             token limit ended it, or its environment truncated it).
         temperature, top_p: the sampler's settings; the learner scores tokens under the same distribution.
         prompts, responses: ``N`` prompts and decoded responses (for rewards, logging and error messages).
-        obs_mask: ``[N, T]`` 1 on observation tokens of multi-turn episodes (context, never loss), optional.
         ref_logprobs: ``[N, T]`` reference-model log-probs, filled in by a KL callback when needed.
         proximal_logprobs: ``[N, T]`` the learner's log-probs before this batch's update (the proximal policy of a
             decoupled objective, e.g. GRPO with truncated importance sampling), filled in by ``RLModule.update``
             for a method that declares ``needs_proximal_logprobs`` when the update takes several optimiser steps.
         record: what the sampler recorded beyond each token's log-prob (``SamplerRecord``: top-k ids and
             log-probs, auxiliary draws), each tensor ``None`` unless the data module's ``record`` settings ask.
-        turn_index: ``[N, T]`` the turn (0, 1, ...) of every model-generated token, -1 elsewhere (episodes).
-        num_turns: ``[N]`` model turns of each episode.
-        turn_rewards: ``[N, K]`` the reward of each turn (NaN after the episode's last); ``rewards`` is their sum.
+        turns: the turn structure of multi-turn episodes (``Turns``: ``obs_mask`` on observation tokens, the
+            ``index`` of each generated token's turn, the ``count`` of turns and each turn's ``rewards``); ``None``
+            for a single-turn batch.
         prompt_id: ``[N]`` a stable id of each row's prompt (``Prompt.uid``: the same whenever it is drawn).
         ends: how each episode ended (``EpisodeEnds``: ``terminated``, the ``EndState`` of each cut one, ``cut``).
             Set by the built-in strategies; ``None`` from a batch made otherwise.
@@ -208,13 +257,10 @@ class RolloutBatch:
     top_p: float = 1.0
     prompts: list[Prompt] = field(default_factory=list)
     responses: list[str] = field(default_factory=list)
-    obs_mask: Tensor | None = None
     ref_logprobs: Tensor | None = None
     proximal_logprobs: Tensor | None = None
     record: SamplerRecord = field(default_factory=SamplerRecord)
-    turn_index: Tensor | None = None
-    num_turns: Tensor | None = None
-    turn_rewards: Tensor | None = None
+    turns: Turns | None = None
     prompt_id: Tensor | None = None
     ends: EpisodeEnds | None = None
     env_errors: int = 0
@@ -227,9 +273,8 @@ class RolloutBatch:
         t = width - self.prompt_length
         expect = {
             "attention_mask": (n, width), "loss_mask": (n, t), "sampler_logprobs": (n, t), "rewards": (n,),
-            "prompt_index": (n,), "truncated": (n,), "obs_mask": (n, t), "ref_logprobs": (n, t),
-            "proximal_logprobs": (n, t),
-            "turn_index": (n, t), "num_turns": (n,), "prompt_id": (n,),
+            "prompt_index": (n,), "truncated": (n,), "ref_logprobs": (n, t), "proximal_logprobs": (n, t),
+            "prompt_id": (n,),
         }
         for name, shape in expect.items():
             value = getattr(self, name)
@@ -238,8 +283,14 @@ class RolloutBatch:
         for name, value in self.record.tensors().items():
             if value.dim() != 3 or tuple(value.shape[:2]) != (n, t):
                 raise ValueError(f"RolloutBatch.record.{name} has shape {tuple(value.shape)}, expected ({n}, {t}, k)")
-        if self.turn_rewards is not None and (self.turn_rewards.dim() != 2 or self.turn_rewards.shape[0] != n):
-            raise ValueError(f"RolloutBatch.turn_rewards has shape {tuple(self.turn_rewards.shape)}, expected ({n}, K)")
+        if self.turns is not None:
+            for name, shape in (("obs_mask", (n, t)), ("index", (n, t)), ("count", (n,))):
+                value = getattr(self.turns, name)
+                if tuple(value.shape) != shape:
+                    raise ValueError(f"RolloutBatch.turns.{name} has shape {tuple(value.shape)}, expected {shape}")
+            rewards = self.turns.rewards
+            if rewards.dim() != 2 or rewards.shape[0] != n:
+                raise ValueError(f"RolloutBatch.turns.rewards has shape {tuple(rewards.shape)}, expected ({n}, K)")
         for name, value in self.extras.items():
             if value.shape[:1] != (n,):
                 raise ValueError(f"RolloutBatch.extras[{name!r}] has shape {tuple(value.shape)}, expected ({n}, ...)")
@@ -299,7 +350,7 @@ class RolloutBatch:
         moved = {name: move(getattr(self, name)) for name in _ROW_TENSORS if getattr(self, name) is not None}
         ends = None if self.ends is None else replace(self.ends, terminated=move(self.ends.terminated))
         return replace(self, **moved, extras={k: move(v) for k, v in self.extras.items()}, record=self.record.map(move),
-                       ends=ends)
+                       turns=None if self.turns is None else self.turns.map(move), ends=ends)
 
     def select(self, rows: Tensor) -> RolloutBatch:
         """The sub-batch of ``rows`` (a 1-D index tensor). ``group_size`` becomes 1 unless whole groups are kept."""
@@ -315,6 +366,7 @@ class RolloutBatch:
             group_size=g if whole_groups else 1,
             extras={k: v[rows] for k, v in self.extras.items()},
             record=self.record.map(lambda v: v[rows]),
+            turns=self.turns.select(rows) if self.turns is not None else None,
             prompts=[self.prompts[i] for i in idx] if self.prompts else [],
             responses=[self.responses[i] for i in idx] if self.responses else [],
             ends=self.ends.select(rows) if self.ends is not None else None,
@@ -325,10 +377,11 @@ class RolloutBatch:
         """One batch of ``batches``' rows in order (single- and multi-turn alike), e.g. rounds of dynamic sampling.
 
         The prompt part of ``input_ids``/``attention_mask`` is left-padded to the longest prompt (``pad_id``,
-        attention 0), every per-token field right-padded to the widest response (``turn_index`` with -1, the
-        rest, ``record`` included, with 0), ``turn_rewards`` to the most turns with NaN. Row fields, texts, end
-        states and ``extras`` (same trailing shape) are concatenated; ``env_errors`` and the timings add up. The
-        batches must share ``group_size``, ``temperature`` and ``top_p``, and record the same optional fields.
+        attention 0), every per-token field right-padded to the widest response (``turns.index`` with -1, the
+        rest, ``record`` and ``turns.obs_mask`` included, with 0), ``turns.rewards`` to the most turns with NaN
+        (``Turns.concat``). Row fields, texts, end states and ``extras`` (same trailing shape) are concatenated;
+        ``env_errors`` and the timings add up. The batches must share ``group_size``, ``temperature`` and
+        ``top_p``, and record the same optional fields.
         """
         if not batches:
             raise ValueError("RolloutBatch.concat needs at least one batch")
@@ -338,7 +391,7 @@ class RolloutBatch:
                 if getattr(b, name) != getattr(first, name):
                     raise ValueError(f"RolloutBatch.concat: {name} differs "
                                      f"({getattr(b, name)} vs {getattr(first, name)})")
-            for name in (*_ROW_TENSORS, "ends"):
+            for name in (*_ROW_TENSORS, "turns", "ends"):
                 if (getattr(b, name) is None) != (getattr(first, name) is None):
                     raise ValueError(f"RolloutBatch.concat: {name} is recorded in some batches and not in others")
             if set(b.extras) != set(first.extras):
@@ -348,17 +401,10 @@ class RolloutBatch:
         p = max(b.prompt_length for b in batches)
         t = max(b.input_ids.shape[1] - b.prompt_length for b in batches)
 
-        def widen(value: Tensor, width: int, fill: float, left: bool = False) -> Tensor:
-            extra = width - value.shape[1]
-            if extra == 0:
-                return value
-            pad = value.new_full((value.shape[0], extra, *value.shape[2:]), fill)
-            return torch.cat([pad, value] if left else [value, pad], dim=1)
-
         def sides(b: RolloutBatch, name: str, fill: int) -> Tensor:
             value = getattr(b, name)
             prompt, response = value[:, :b.prompt_length], value[:, b.prompt_length:]
-            return torch.cat([widen(prompt, p, fill, left=True), widen(response, t, 0)], dim=1)
+            return torch.cat([_widen(prompt, p, fill, left=True), _widen(response, t, 0)], dim=1)
 
         joined: dict[str, Any] = {"input_ids": torch.cat([sides(b, "input_ids", pad_id) for b in batches]),
                                   "attention_mask": torch.cat([sides(b, "attention_mask", 0) for b in batches])}
@@ -366,18 +412,17 @@ class RolloutBatch:
             if name in joined or getattr(first, name) is None:
                 continue
             values = [getattr(b, name) for b in batches]
-            if name == "turn_rewards":
-                values = [widen(v, max(u.shape[1] for u in values), float("nan")) for v in values]
-            elif values[0].dim() >= 2:
-                values = [widen(v, t, -1 if name == "turn_index" else 0) for v in values]
+            if values[0].dim() >= 2:
+                values = [_widen(v, t, 0) for v in values]
             joined[name] = torch.cat(values)
         return replace(
             first, **joined, prompt_length=p,
             prompts=[x for b in batches for x in b.prompts], responses=[x for b in batches for x in b.responses],
             ends=None if first.ends is None else EpisodeEnds.concat([b.ends for b in batches]),
             extras={k: torch.cat([b.extras[k] for b in batches]) for k in first.extras},
-            record=SamplerRecord(**{k: torch.cat([widen(getattr(b.record, k), t, 0) for b in batches])
+            record=SamplerRecord(**{k: torch.cat([_widen(getattr(b.record, k), t, 0) for b in batches])
                                     for k in first.record.tensors()}),
+            turns=None if first.turns is None else Turns.concat([b.turns for b in batches], t),
             env_errors=sum(b.env_errors for b in batches), rollout_time=sum(b.rollout_time for b in batches),
             reward_time=sum(b.reward_time for b in batches))
 

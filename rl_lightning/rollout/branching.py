@@ -220,7 +220,7 @@ class BranchRollout(GroupRollout):
         lists = self._response_lists(gen)
         responses = [tok.decode(ids, skip_special_tokens=False) for ids in lists]
         make = self._maker(ctx, prompt_ids, prompt_mask, gen, self.n, [b.prompt_index for b in rows_of], prompts,
-                           responses, time.perf_counter() - t0, self._episode_fields(gen))
+                           responses, time.perf_counter() - t0, multi_turn=True)
         out = make(episodes.returns(unscored=0.0), 0.0, episodes)  # a held chunk has earned nothing yet
         truncated = gen.truncated | torch.tensor(episodes.env_truncated, device=gen.truncated.device)
         pending = [episodes.pending[r] + held if held else [] for r, held in enumerate(gen.pending)]  # whole turn

@@ -25,10 +25,10 @@ from torch import Tensor
 
 from rl_lightning.envs.base import MESSAGES, Prompt, RewardError, RewardFunction, Task
 from rl_lightning.envs.environment import REWARD_PARTS, EnvError, Environment, env_step
-from rl_lightning.rollout.batch import EndState, EpisodeEnds, PromptBatch, RolloutBatch
+from rl_lightning.rollout.batch import EndState, EpisodeEnds, PromptBatch, RolloutBatch, Turns
 from rl_lightning.rollout.encoding import PromptEncoder
 from rl_lightning.rollout.engine import SESSIONS, RolloutEngine, SamplingParams
-from rl_lightning.rollout.episodes import left_pad, sample_episodes
+from rl_lightning.rollout.episodes import EpisodeGeneration, left_pad, sample_episodes
 from rl_lightning.rollout.generation import Generation
 
 
@@ -128,6 +128,13 @@ class _Episodes:
         return {f"reward/{name}": torch.tensor([parts.get(name, math.nan) for parts in self.reward_parts],
                                                dtype=torch.float32, device=device) for name in names}
 
+    def turns(self, gen: EpisodeGeneration, device: torch.device) -> Turns:
+        """``RolloutBatch.turns`` of these episodes: ``gen``'s layout of their turns, with the reward each turn
+        returned (NaN after an episode's last)."""
+        width = max(1, max(len(r) for r in self.turn_rewards))
+        rewards = torch.tensor([r + [math.nan] * (width - len(r)) for r in self.turn_rewards], device=device)
+        return Turns(obs_mask=gen.obs_mask, index=gen.turn_index, count=gen.num_turns, rewards=rewards)
+
     def observation_ids(self, encoder: PromptEncoder, row: int, observation: str, closed: bool) -> list[int]:
         """The ids of episode ``row``'s next observation (after its last turn), remembered for the next."""
         ids = encoder.observation(self.first[row], self.actions[row], self.observations[row], observation, closed)
@@ -214,7 +221,7 @@ class GroupRollout(RolloutStrategy):
             lists = self._response_lists(gen)
             responses = [tok.decode(ids, skip_special_tokens=False) for ids in lists]
             make = self._maker(ctx, prompt_ids, prompt_mask, gen, group, indices, prompts, responses, t1 - t0,
-                               self._episode_fields(gen))
+                               multi_turn=True)
             batch_out = make(episodes.returns(), 0.0, episodes)
             return replace(batch_out, truncated=gen.truncated | torch.tensor(episodes.env_truncated,
                                                                              device=gen.truncated.device),
@@ -224,7 +231,8 @@ class GroupRollout(RolloutStrategy):
         lengths = gen.mask.sum(dim=1).tolist()
         responses = tok.batch_decode([row[:n] for row, n in zip(gen.response_ids.tolist(), lengths)],
                                      skip_special_tokens=True)
-        make = self._maker(ctx, prompt_ids, prompt_mask, gen, group, indices, prompts, responses, t1 - t0, {})
+        make = self._maker(ctx, prompt_ids, prompt_mask, gen, group, indices, prompts, responses, t1 - t0,
+                           multi_turn=False)
         over, final = [], [[] for _ in responses]
         try:
             for row, response in enumerate(responses):
@@ -285,11 +293,6 @@ class GroupRollout(RolloutStrategy):
         return stop
 
     @staticmethod
-    def _episode_fields(gen: Any) -> dict[str, Any]:
-        """The ``RolloutBatch`` fields of an ``EpisodeGeneration`` beyond those of a single-turn generation."""
-        return {"obs_mask": gen.obs_mask, "turn_index": gen.turn_index, "num_turns": gen.num_turns}
-
-    @staticmethod
     def _response_lists(gen: Any) -> list[list[int]]:
         real = (gen.mask | gen.obs_mask).bool()
         return [row[m].tolist() for row, m in zip(gen.response_ids.cpu(), real.cpu())]
@@ -297,15 +300,13 @@ class GroupRollout(RolloutStrategy):
     @staticmethod
     def _maker(ctx: RolloutContext, prompt_ids: Tensor, prompt_mask: Tensor, gen: Any, group: int,
                indices: list[int], prompts: list[Prompt], responses: list[str], rollout_time: float,
-               fields: dict[str, Any]) -> Callable[..., RolloutBatch]:
+               multi_turn: bool) -> Callable[..., RolloutBatch]:
+        """``make(returns, reward_time, episodes)``: the batch of ``gen``; with ``multi_turn`` (``gen`` is an
+        ``EpisodeGeneration``) and ``episodes``, its ``turns``."""
         device = prompt_ids.device
 
         def make(returns: list[float], reward_time: float, episodes: _Episodes | None = None) -> RolloutBatch:
-            extra = dict(fields)
-            if episodes is not None and "num_turns" in fields:
-                width = max(1, max(len(r) for r in episodes.turn_rewards))
-                extra["turn_rewards"] = torch.tensor(
-                    [r + [math.nan] * (width - len(r)) for r in episodes.turn_rewards], device=device)
+            turns = episodes.turns(gen, device) if multi_turn and episodes is not None else None
             return RolloutBatch.from_generation(
                 prompt_ids, prompt_mask, gen, rewards=torch.tensor(returns, dtype=torch.float32, device=device),
                 group_size=group, prompt_index=torch.tensor(indices, dtype=torch.long, device=device),
@@ -313,7 +314,7 @@ class GroupRollout(RolloutStrategy):
                 temperature=ctx.params.temperature, top_p=ctx.params.top_p, prompts=prompts, responses=responses,
                 rollout_time=rollout_time, reward_time=reward_time,
                 env_errors=episodes.errors if episodes is not None else 0,
-                extras=episodes.part_extras(device) if episodes is not None else {}, **extra)
+                extras=episodes.part_extras(device) if episodes is not None else {}, turns=turns)
         return make
 
 

@@ -33,7 +33,7 @@ def episodes() -> RolloutBatch:
     dm = RolloutDataModule(**GUESS)
     dm.trainer = fake_trainer(sampler)
     batch = dm.rollout(dm.prompt_batch(0))
-    assert batch.turn_index is not None and (batch.num_turns >= 3).sum() >= 8  # real multi-turn episodes
+    assert batch.turns.index is not None and (batch.turns.count >= 3).sum() >= 8  # real multi-turn episodes
     return batch
 
 
@@ -43,10 +43,10 @@ def with_rewards(batch: RolloutBatch, rewards: list[float]) -> RolloutBatch:
 
 def reference_pairs(batch: RolloutBatch, row: int, instruction: list[int], k: int) -> list[tuple[list, list]]:
     """The pairs by a plain loop over the row's turns (the test's own reading of the method)."""
-    p, n = batch.prompt_length, int(batch.num_turns[row])
+    p, n = batch.prompt_length, int(batch.turns.count[row])
     real = batch.input_ids[row][batch.attention_mask[row].bool()].tolist()  # the whole trajectory, no padding
     lead = int((batch.attention_mask[row, :p] == 0).sum())  # left padding of the prompt
-    actions = [(batch.turn_index[row] == t).nonzero().flatten() for t in range(n)]
+    actions = [(batch.turns.index[row] == t).nonzero().flatten() for t in range(n)]
     pairs = []
     for t in range(n):
         target = sum((batch.response_ids[row, actions[j]].tolist() for j in range(t, min(t + k, n))), [])
@@ -101,8 +101,8 @@ def test_the_targets_are_the_recorded_action_ids_after_exactly_the_history(episo
     assert module.tokenizer.decode(instruction) == "forecast:"
     checked_truncation = 0
     for row in range(episodes.num_rows):
-        n = int(episodes.num_turns[row])
-        turns = episodes.turn_index[row]
+        n = int(episodes.turns.count[row])
+        turns = episodes.turns.index[row]
         pairs = forecast_pairs(episodes.input_ids[row], episodes.attention_mask[row], episodes.prompt_length,
                                episodes.loss_mask[row], turns, instruction, horizon=2)
         assert pairs == reference_pairs(episodes, row, instruction, k=2)
@@ -116,7 +116,7 @@ def test_the_targets_are_the_recorded_action_ids_after_exactly_the_history(episo
                                                                       :episodes.prompt_length].bool()]
             assert history == prompt.tolist() + episodes.response_ids[row, :first].tolist()
             if t > 0:
-                assert episodes.obs_mask[row, first - 1] == 1  # h_t ends with the observation o_t
+                assert episodes.turns.obs_mask[row, first - 1] == 1  # h_t ends with the observation o_t
             own = episodes.response_ids[row, turns == t].tolist()
             assert target[:len(own)] == own
             if t + 1 < n:
@@ -136,14 +136,14 @@ def test_without_instruction_and_k_1_the_pairs_score_exactly_the_sampled_actions
     for row in range(episodes.num_rows):
         for t, (context, target) in enumerate(forecast_pairs(
                 episodes.input_ids[row], episodes.attention_mask[row], episodes.prompt_length,
-                episodes.loss_mask[row], episodes.turn_index[row], [], horizon=1)):
+                episodes.loss_mask[row], episodes.turns.index[row], [], horizon=1)):
             contexts.append(context)
             targets.append(target)
-            where.append(episodes.turn_index[row] == t)
+            where.append(episodes.turns.index[row] == t)
     with torch.no_grad():
         out, mask = module.score_sequences(contexts, targets, temperature=episodes.temperature)
         hidden = module.forward_policy(episodes, with_hidden=True).hidden[episodes.loss_mask.bool()]
-    rows = torch.tensor([row for row in range(episodes.num_rows) for _ in range(int(episodes.num_turns[row]))])
+    rows = torch.tensor([row for row in range(episodes.num_rows) for _ in range(int(episodes.turns.count[row]))])
     tol = model_logprob_tolerance(module.policy, hidden, episodes.temperature,
                                   module.policy.config.max_position_embeddings)
     for i, (row, positions) in enumerate(zip(rows.tolist(), where)):
@@ -176,13 +176,13 @@ def test_two_successes_give_the_mean_of_their_two_nll_sums(episodes):
     # one forward per loss term (no shared prompt forward, whose prefix and response parts are two gradient
     # contributions of their own): the bound below counts a single addition between g_GRPO and g_ref
     cope, grpo = make(forecast_coef=eta, share_prompt_forward=False), make(GRPO, share_prompt_forward=False)
-    assert episodes.num_turns[0] >= 2 and episodes.num_turns[2] >= 2  # chunks of 2 actions really occur
+    assert episodes.turns.count[0] >= 2 and episodes.turns.count[2] >= 2  # chunks of 2 actions really occur
     (g_cope,) = gradients(cope, batch, [torch.arange(16)])
     (g_grpo,) = gradients(grpo, batch, [torch.arange(16)])
     value = cope.forecast_term(batch, advantages(cope, batch))  # the weights compute_advantages returns
     # by hand: score each pair of rows 0 and 2 with score_sequences, sum each row's NLL, average the two, / X
     pairs = [pair for row in (0, 2) for pair in reference_pairs(episodes, row, cope.instruction_ids, 2)]
-    owner = torch.tensor([0] * int(episodes.num_turns[0]) + [2] * int(episodes.num_turns[2]))
+    owner = torch.tensor([0] * int(episodes.turns.count[0]) + [2] * int(episodes.turns.count[2]))
     cope.policy.zero_grad(set_to_none=False)
     out, mask = cope.score_sequences([c for c, _ in pairs], [t for _, t in pairs])
     nll_per_pair = -(out.logprobs * mask).sum(dim=1)
@@ -264,9 +264,6 @@ def test_bad_settings_are_refused(episodes):
     long = make(forecast_instruction="x" * 40)
     with pytest.raises(ValueError, match="64 positions"):
         gradients(long, with_rewards(episodes, [1.0] * 16), [torch.arange(16)])
-    no_turns = dataclasses.replace(episodes, turn_index=None, extras={})
-    with pytest.raises(ValueError, match="no turn_index"):
-        make().compute_advantages(no_turns)
 
 
 def test_the_config_stacks_with_the_guess_preset(tmp_path, monkeypatch):

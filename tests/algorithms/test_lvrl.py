@@ -17,7 +17,7 @@ from rl_lightning.algorithms.hindsight import (
 )
 from rl_lightning.envs import GuessNumberTask
 from rl_lightning.functional import group_advantages, turn_mask_from_index
-from rl_lightning.rollout import Evaluation, GroupRollout, RolloutBatch, RolloutDataModule, Sampling
+from rl_lightning.rollout import Evaluation, GroupRollout, RolloutBatch, RolloutDataModule, Sampling, Turns
 from tests.conftest import tiny_datamodule
 from tests.rollout.rollout_helpers import fake_trainer
 
@@ -52,7 +52,7 @@ def episodes() -> RolloutBatch:
     dm = RolloutDataModule(**GUESS)
     dm.trainer = fake_trainer(sampler)
     batch = dm.rollout(dm.prompt_batch(0))
-    assert batch.turn_index is not None and (batch.num_turns >= 3).sum() >= 8 and batch.rewards.std() > 0
+    assert batch.turns.index is not None and (batch.turns.count >= 3).sum() >= 8 and batch.rewards.std() > 0
     return batch
 
 
@@ -62,6 +62,7 @@ def hand_batch() -> RolloutBatch:
     row 0 (R=1): a a o a o a a    row 1 (R=0): a o o a . . .
     row 2 (R=1): a a . . . . .    row 3 (R=0): a o a a . . .
     """
+    nan = float("nan")
     turns = torch.tensor([[0, 0, -1, 1, -1, 2, 2], [0, -1, -1, 1, -1, -1, -1],
                           [0, 0, -1, -1, -1, -1, -1], [0, -1, 1, 1, -1, -1, -1]])
     obs = torch.tensor([[0, 0, 1, 0, 1, 0, 0], [0, 1, 1, 0, 0, 0, 0], [0] * 7, [0, 1, 0, 0, 0, 0, 0]])
@@ -73,7 +74,9 @@ def hand_batch() -> RolloutBatch:
                         sampler_logprobs=-torch.rand(n, t) * loss, rewards=torch.tensor([1.0, 0.0, 1.0, 0.0]),
                         group_size=2, prompt_index=torch.tensor([0, 0, 1, 1]),
                         truncated=torch.zeros(n, dtype=torch.bool),
-                        obs_mask=obs, turn_index=turns, num_turns=torch.tensor([3, 2, 1, 2]))
+                        turns=Turns(obs_mask=obs, index=turns, count=torch.tensor([3, 2, 1, 2]),
+                                    rewards=torch.tensor([[0.0, 0.0, 1.0], [0.0, 0.0, nan], [1.0, nan, nan],
+                                                          [0.0, 0.0, nan]])))
 
 
 def test_hand_built_batch_with_an_oracle_critic():
@@ -87,10 +90,10 @@ def test_hand_built_batch_with_an_oracle_critic():
     # σ_G² = mean of (0.5, 0.5, -1)² - 0² = 0.5.
     s0, s1 = 0.056 ** 0.5 + 1e-6, 0.5 ** 0.5 + 1e-6
     a = [[0.3 / s0, 0.1 / s0, 0.1 / s0], [-0.4 / s0, -0.1 / s0, 0], [0.5 / s1, 0, 0], [0.5 / s1, -1 / s1, 0]]
-    expected = torch.tensor([[a[b][int(k)] if k >= 0 else 0.0 for k in row] for b, row in enumerate(batch.turn_index)])
+    expected = torch.tensor([[a[b][int(k)] if k >= 0 else 0.0 for k in row] for b, row in enumerate(batch.turns.index)])
     torch.testing.assert_close(adv.advantages, expected)
-    assert (adv.advantages[batch.obs_mask.bool()] == 0).all()  # observation tokens get none
-    assert (adv.advantages[(batch.loss_mask == 0) & (batch.obs_mask == 0)] == 0).all()  # nor does padding
+    assert (adv.advantages[batch.turns.obs_mask.bool()] == 0).all()  # observation tokens get none
+    assert (adv.advantages[(batch.loss_mask == 0) & (batch.turns.obs_mask == 0)] == 0).all()  # nor does padding
     metrics = make(oracle).before_update(batch, adv, torch.ones(4, 7))
     torch.testing.assert_close(metrics["train/step_credit_std"][0], torch.tensor((0.056 ** 0.5 + 0.5 ** 0.5) / 2))
     # boundaries: row 0 (t = 1, 2), row 1 (t = 1), row 3 (t = 1); linear Ṽ: row 0 2/3, 5/6; row 1 0.25; row 3 0.25
@@ -104,7 +107,7 @@ def test_the_raw_credit_sums_to_reward_minus_group_mean_for_the_frozen_policy_cr
     adv = advantages(module, episodes)
     mean = episodes.rewards.view(-1, 4).mean(dim=1).repeat_interleave(4)
     for row in range(episodes.num_rows):
-        turns = episodes.turn_index[row]
+        turns = episodes.turns.index[row]
         per_action = [adv.advantages[row, turns == t][0] for t in range(int(turns.max()) + 1)]
         torch.testing.assert_close(torch.stack(per_action).sum(), episodes.rewards[row] - mean[row])
     # it is no linear split
@@ -115,7 +118,7 @@ def test_the_raw_credit_sums_to_reward_minus_group_mean_for_the_frozen_policy_cr
 
 def test_the_frozen_policy_critic_values_lie_in_the_reward_range_and_it_is_not_saved(episodes):
     module = make()
-    turns = episodes.turn_index
+    turns = episodes.turns.index
     reading = module.hindsight.values(module, episodes, turns, turn_mask_from_index(turns), (0.0, 1.0))
     inner = turn_mask_from_index(turns).bool()
     inner[:, 0] = False
@@ -128,9 +131,9 @@ def test_a_linear_critic_gives_every_action_of_an_episode_the_same_advantage(epi
     mean = episodes.rewards.view(-1, 4).mean(dim=1).repeat_interleave(4)
     raw = advantages(make(LinearCritic(), scale_rewards=False), episodes).advantages
     for row in range(episodes.num_rows):
-        on = episodes.turn_index[row] >= 0
+        on = episodes.turns.index[row] >= 0
         torch.testing.assert_close(adv[row, on], adv[row, on][0].expand(int(on.sum())))  # equal steps (to rounding)
-        torch.testing.assert_close(raw[row, on], ((episodes.rewards[row] - mean[row]) / episodes.num_turns[row])
+        torch.testing.assert_close(raw[row, on], ((episodes.rewards[row] - mean[row]) / episodes.turns.count[row])
                                    .expand(int(on.sum())))
         assert (adv[row, ~on] == 0).all()  # observation tokens and padding get none
     metrics = make(LinearCritic()).before_update(episodes, advantages(make(LinearCritic()), episodes), torch.ones(1))
@@ -140,10 +143,10 @@ def test_a_linear_critic_gives_every_action_of_an_episode_the_same_advantage(epi
 def test_all_tokens_of_an_action_share_its_advantage(episodes):
     adv = advantages(make(), episodes).advantages
     for row in range(episodes.num_rows):
-        turns = episodes.turn_index[row]
+        turns = episodes.turns.index[row]
         for t in range(int(turns.max()) + 1):
             assert torch.unique(adv[row, turns == t]).numel() == 1
-        assert (adv[row, episodes.obs_mask[row].bool()] == 0).all()
+        assert (adv[row, episodes.turns.obs_mask[row].bool()] == 0).all()
 
 
 def test_single_turn_responses_are_one_action_and_give_grpo():
@@ -161,7 +164,7 @@ def test_single_turn_responses_are_one_action_and_give_grpo():
 def test_a_row_the_judge_cannot_read_falls_back_to_linear_interpolation(episodes):
     long_query = " the value after action {step} of {steps} given outcome {outcome:g}:"  # > 64 positions
     module = make(ValueTokenCritic(query=long_query))
-    turns = episodes.turn_index
+    turns = episodes.turns.index
     steps = turn_mask_from_index(turns)
     reading = module.hindsight.values(module, episodes, turns, steps, (0.0, 1.0))
     linear = LinearCritic().values(module, episodes, turns, steps, (0.0, 1.0)).values
@@ -178,7 +181,7 @@ def test_the_prompted_critic_parses_its_answer_and_falls_back_without_one(episod
     assert parse_values("only 0.3", 2) is None
     assert parse_values("anything", 0) == []
     module = make(PromptedCritic(template="{trajectory}|{count}:", max_new_tokens=6))
-    turns = episodes.turn_index
+    turns = episodes.turns.index
     steps = turn_mask_from_index(turns)
     reading = module.hindsight.values(module, episodes, turns, steps, (0.0, 1.0))
     linear = LinearCritic().values(module, episodes, turns, steps, (0.0, 1.0)).values
@@ -190,7 +193,5 @@ def test_the_prompted_critic_parses_its_answer_and_falls_back_without_one(episod
 def test_refusals(episodes):
     with pytest.raises(ValueError, match="reward_range must be"):
         make(reward_range=(1.0, 0.0))
-    with pytest.raises(ValueError, match="no turn_index"):
-        make(LinearCritic()).compute_advantages(dataclasses.replace(episodes, turn_index=None, extras={}))
     with pytest.raises(ValueError, match="not single tokens"):
         make(ValueTokenCritic(value_tokens=("0", "10"))).compute_advantages(episodes)

@@ -13,22 +13,29 @@ from rl_lightning.algorithms import SAO, Advantages, PolicyOutput
 from rl_lightning.algorithms.critic import GAE_LAMBDA
 from rl_lightning.algorithms.metrics import plain
 from rl_lightning.functional import gae
-from rl_lightning.rollout import RolloutBatch
+from rl_lightning.rollout import RolloutBatch, Turns
 from tests.tolerances import sum_tolerance
 
 
 def _batch(mask_rows: list[list[int]], obs_rows: list[list[int]] | None = None, rewards=None) -> RolloutBatch:
+    """Episodes whose turns are the runs of ``mask_rows``' ones (each turn's reward 0 but the last's: the row's)."""
     mask = torch.tensor(mask_rows)
     n, width = mask.shape
     obs = torch.tensor(obs_rows) if obs_rows is not None else torch.zeros_like(mask)
     prompt = 3
     ids = torch.randint(3, 99, (n, prompt + width), generator=torch.Generator().manual_seed(0))
     attention = torch.cat([torch.ones(n, prompt, dtype=torch.long), (mask.bool() | obs.bool()).long()], dim=1)
+    rewards = torch.tensor(rewards if rewards is not None else [1.0] * n)
+    starts = mask.bool() & ~torch.cat([torch.zeros(n, 1, dtype=torch.bool), mask.bool()[:, :-1]], dim=1)
+    count = starts.sum(dim=1)
+    turn_rewards = torch.where(torch.arange(int(count.max())) < count.unsqueeze(1), 0.0, math.nan)
+    turn_rewards[torch.arange(n), count - 1] = rewards
+    turns = Turns(obs_mask=obs, index=torch.where(mask.bool(), starts.long().cumsum(dim=1) - 1, -1), count=count,
+                  rewards=turn_rewards)
     return RolloutBatch(
         input_ids=ids * attention, attention_mask=attention, prompt_length=prompt, loss_mask=mask,
-        sampler_logprobs=torch.full((n, width), math.log(0.5)) * mask,
-        rewards=torch.tensor(rewards if rewards is not None else [1.0] * n), group_size=1,
-        prompt_index=torch.arange(n), truncated=torch.zeros(n, dtype=torch.bool), obs_mask=obs,
+        sampler_logprobs=torch.full((n, width), math.log(0.5)) * mask, rewards=rewards, group_size=1,
+        prompt_index=torch.arange(n), truncated=torch.zeros(n, dtype=torch.bool), turns=turns,
     )
 
 

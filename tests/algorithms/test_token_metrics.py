@@ -96,7 +96,7 @@ def test_no_step_zero_evaluation_when_validation_is_off(tmp_path):
 def test_env_errors_are_logged_for_a_single_turn_batch_that_had_one():
     from tests.algorithms.test_skipping import SPREAD, _batch
     module = GRPO(model_name_or_path="embedded:random")
-    batch = _batch(SPREAD)  # single-turn: num_turns is None
+    batch = _batch(SPREAD)  # single-turn: turns is None
     assert "train/env_errors" not in module.rollout_metrics(batch)
     # e.g. GroupRollout(max_turns=1, env_errors="fail_episode") on an environment that raised
     batch = dataclasses.replace(batch, env_errors=2)

@@ -362,7 +362,7 @@ def test_a_gem_game_runs_end_to_end_through_the_rollout_data_module(gem, module)
         assert env.recorded, "every episode took at least one turn"
         returns = sum(result[1] for _, result in env.recorded)
         assert float(batch.rewards[row]) == pytest.approx(returns)
-        assert int(batch.num_turns[row]) == len(env.recorded)
+        assert int(batch.turns.count[row]) == len(env.recorded)
         last = env.recorded[-1][1]
         assert last[2] or last[3] or len(env.recorded) == 4  # the game ended it, or the rollout's turn limit
     # a group plays one game (the prompt's seed), whatever reset seed the rollout gives each episode
@@ -411,15 +411,15 @@ def test_a_multi_turn_gem_game_runs_end_to_end_with_gems_feedback_between_the_tu
         secret = env.env.game_number
         assert [action for action, _ in env.recorded] == ["\\boxed{5}"] * len(env.recorded)
         if secret == 5:
-            assert int(batch.num_turns[row]) == 1 and float(batch.rewards[row]) == 1.0
+            assert int(batch.turns.count[row]) == 1 and float(batch.rewards[row]) == 1.0
             continue
         # gem's turn limit (4) ends the episode, before the rollout's (6): terminated and truncated, with
         # GuessTheNumber's distance reward on the last turn and 0 on the others
-        assert int(batch.num_turns[row]) == 4 and env.recorded[-1][1][2:4] == (True, True)
+        assert int(batch.turns.count[row]) == 4 and env.recorded[-1][1][2:4] == (True, True)
         assert float(batch.rewards[row]) == pytest.approx(1 - abs(5 - secret) / 9)
-        assert batch.turn_rewards[row].tolist()[:3] == [0.0, 0.0, 0.0]
+        assert batch.turns.rewards[row].tolist()[:3] == [0.0, 0.0, 0.0]
         assert bool(batch.truncated[row])
-        observed = tok.decode(batch.response_ids[row][batch.obs_mask[row].bool()].tolist())
+        observed = tok.decode(batch.response_ids[row][batch.turns.obs_mask[row].bool()].tolist())
         hint = "higher" if secret > 5 else "lower"
         assert observed.startswith(f"At turn 1, you guessed 5, and the target number is {hint} than 5.")
         assert "At turn 3, you guessed 5, which has been already guessed before." in observed

@@ -294,11 +294,11 @@ def test_a_policy_that_never_ends_a_turn_still_plays_all_five_turns():
     dm.trainer = SimpleNamespace(lightning_module=SimpleNamespace(policy=model, tokenizer=tok), global_rank=0,
                                  world_size=1)
     batch = dm.rollout(dm.prompt_batch(0))
-    assert batch.num_turns.tolist() == [5, 5, 5, 5]
+    assert batch.turns.count.tolist() == [5, 5, 5, 5]
     assert batch.rewards.tolist() == [0.0] * 4
     assert all(r.count("bad:") == 4 for r in batch.responses)
     full = [i for i in range(4) if int(batch.loss_mask[i].sum()) == 15]  # no turn of the row ended at EOS
-    assert full and all(int(batch.obs_mask[i].sum()) == 16 for i in full)
+    assert full and all(int(batch.turns.obs_mask[i].sum()) == 16 for i in full)
     assert batch.input_ids.shape[1] <= model.config.max_position_embeddings
 
 

@@ -198,7 +198,7 @@ def _preset_datamodule(module, **overrides):
 
 
 def _real(batch, row: int) -> list[int]:
-    keep = (batch.loss_mask[row] | batch.obs_mask[row]).bool()
+    keep = (batch.loss_mask[row] | batch.turns.obs_mask[row]).bool()
     return batch.response_ids[row][keep].tolist()
 
 
@@ -221,13 +221,13 @@ def test_branching_saved_mid_episode_states_continues_the_episode(warm):
         for k, r in enumerate(rows):
             assert first.ends.states[r].prefix_ids + _real(rest, k) == _real(straight, r)
             assert float(first.rewards[r] + rest.rewards[k]) == float(straight.rewards[r])
-            assert int(first.num_turns[r] + rest.num_turns[k]) == int(straight.num_turns[r])
+            assert int(first.turns.count[r] + rest.turns.count[k]) == int(straight.turns.count[r])
         # a training step of BranchRollout from saved states: 4 sampled continuations each, from the saved value
         strategy = BranchRollout(n=4, max_turns=10, max_episode_tokens=60)
         dm = _preset_datamodule(warm, strategy=strategy, group_size=4)
         strategy.set_branches(branches[:3])
         batch = dm.rollout(dm.prompt_batch(0))
-    assert batch.num_rows == 12 and int(batch.num_turns.max()) <= 7
+    assert batch.num_rows == 12 and int(batch.turns.count.max()) <= 7
     tok = warm.tokenizer
     for k, b in enumerate(branches[:3]):
         value = b.env_state["value"]
@@ -235,7 +235,7 @@ def test_branching_saved_mid_episode_states_continues_the_episode(warm):
             text = tok.decode(_real(batch, row))
             move = text.split("<eos>")[0] if "<eos>" in text else text
             after = apply_move(value, move.strip())
-            if after is not None and after != b.env_state["target"] and int(batch.num_turns[row]) > 1:
+            if after is not None and after != b.env_state["target"] and int(batch.turns.count[row]) > 1:
                 assert f"{after}:" in text  # the environment continued from the restored value
 
 

@@ -42,7 +42,7 @@ from tests.conftest import tiny_datamodule  # noqa: E402
 GRPO_AGGREGATION = ("seq_mean_token_mean", "token_mean")
 BATCH_TENSORS = ("input_ids", "attention_mask", "loss_mask", "sampler_logprobs", "rewards", "prompt_index",
                  "truncated")
-TURN_TENSORS = ("turn_index", "num_turns", "turn_rewards")
+TURN_TENSORS = ("index", "count", "rewards")  # of batch.turns, recorded as turns.<name>
 
 
 class GradedMatch(RewardFunction):
@@ -56,8 +56,8 @@ class GradedMatch(RewardFunction):
 
 def batch_record(batch: RolloutBatch) -> dict[str, Any]:
     record: dict[str, Any] = {name: getattr(batch, name).detach().cpu().clone() for name in BATCH_TENSORS}
-    record.update({name: getattr(batch, name).detach().cpu().clone() for name in TURN_TENSORS
-                   if getattr(batch, name) is not None})
+    if batch.turns is not None:
+        record.update({f"turns.{name}": getattr(batch.turns, name).detach().cpu().clone() for name in TURN_TENSORS})
     record.update(prompt_length=batch.prompt_length, group_size=batch.group_size,
                   temperature=batch.temperature, top_p=batch.top_p)
     return record

@@ -176,11 +176,12 @@ def test_a_resumed_asynchronous_fit_trains_on_the_same_stream_steps_as_a_straigh
     assert len(got) == 5 and len({tuple(p) for p in got}) == 5
 
 
-def test_a_queued_batch_round_trips_through_a_weights_only_checkpoint_with_its_record_and_ends(tmp_path):
-    """``record`` (top-k ids and log-probs, auxiliary draws) and ``ends`` are saved as plain values and come back
-    the same; a checkpoint written before they were groups (their parts as fields of the batch) loads into them."""
+def test_a_queued_batch_round_trips_through_a_weights_only_checkpoint_with_its_record_turns_and_ends(tmp_path):
+    """``record`` (top-k ids and log-probs, auxiliary draws), ``turns`` and ``ends`` are saved as plain values and
+    come back the same; a checkpoint written before they were groups (their parts as fields of the batch) loads
+    into them."""
     from rl_lightning.envs import Prompt
-    from rl_lightning.rollout import EndState, EpisodeEnds, RolloutBatch, SamplerRecord
+    from rl_lightning.rollout import EndState, EpisodeEnds, RolloutBatch, SamplerRecord, Turns
     from rl_lightning.rollout.async_producer import RolloutProducer
 
     g = torch.Generator().manual_seed(0)
@@ -208,7 +209,7 @@ def test_a_queued_batch_round_trips_through_a_weights_only_checkpoint_with_its_r
     for name, value in record.tensors().items():
         assert torch.equal(getattr(back.record, name), value), name
     partial = RolloutProducer._unpack(RolloutProducer._pack(replace(batch, record=SamplerRecord())), "cpu")
-    assert partial.record.tensors() == {} and partial.ends is None
+    assert partial.record.tensors() == {} and partial.ends is None and partial.turns is None
     # the episode ends, likewise: the group, and the earlier layout (terminated and end_states as fields)
     ends = EpisodeEnds(torch.tensor([True, False, False, True]), [None, EndState({"v": 1}, [5, 6]), EndState(None, [7]),
                                                                   None])
@@ -218,3 +219,21 @@ def test_a_queued_batch_round_trips_through_a_weights_only_checkpoint_with_its_r
         torch.save(state, path)
         back = RolloutProducer._unpack(torch.load(path, weights_only=True), "cpu")
         assert torch.equal(back.ends.terminated, ends.terminated) and back.ends.states == ends.states
+    # the turns, likewise: the group, and the earlier layout (obs_mask, turn_index, num_turns and turn_rewards as
+    # fields of the batch, all None in a single-turn batch)
+    nan = float("nan")
+    turns = Turns(obs_mask=torch.tensor([[0, 1, 0]] * n), index=torch.tensor([[0, -1, 1], [0, -1, -1]] * 2),
+                  count=torch.tensor([2, 1, 2, 1]), rewards=torch.tensor([[0.5, 0.5], [1.0, nan]] * 2))
+    packed = RolloutProducer._pack(replace(batch, turns=turns))
+    assert isinstance(packed["turns"], dict)
+    flat = {k: v for k, v in packed.items() if k != "turns"}
+    old = {**flat, "obs_mask": turns.obs_mask, "turn_index": turns.index, "num_turns": turns.count,
+           "turn_rewards": turns.rewards}
+    for state in (packed, old):
+        torch.save(state, path)
+        back = RolloutProducer._unpack(torch.load(path, weights_only=True), "cpu")
+        assert set(back.turns.tensors()) == set(turns.tensors())
+        for name, value in turns.tensors().items():
+            torch.testing.assert_close(getattr(back.turns, name), value, rtol=0, atol=0, equal_nan=True)
+    torch.save({**flat, "obs_mask": None, "turn_index": None, "num_turns": None, "turn_rewards": None}, path)
+    assert RolloutProducer._unpack(torch.load(path, weights_only=True), "cpu").turns is None

@@ -1,15 +1,16 @@
-"""``RolloutBatch``: shape validation naming the field, ``select`` and group structure, ``to()``."""
+"""``RolloutBatch``: shape validation naming the field, ``select`` and group structure, ``to()``; its ``Turns``."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
 from torch import Tensor
 
 from rl_lightning.envs import Prompt
-from rl_lightning.rollout import PromptBatch, RolloutBatch, SamplerRecord
+from rl_lightning.rollout import PromptBatch, RolloutBatch, SamplerRecord, Turns
 
 N, P, T, G = 6, 3, 4, 2
 
@@ -30,11 +31,12 @@ def _fields(**overrides):
         top_p=0.9,
         prompts=[Prompt(f"p{i // G}", str(i // G)) for i in range(N)],
         responses=[f"r{i}" for i in range(N)],
-        obs_mask=torch.zeros(N, T, dtype=torch.long),
         ref_logprobs=-torch.rand(N, T, generator=g),
         topk_ids=torch.randint(0, 9, (N, T, 3), generator=g),
         topk_logprobs=-torch.rand(N, T, 3, generator=g),
         aux_ids=torch.randint(0, 9, (N, T, 2), generator=g),
+        turns=Turns(obs_mask=torch.randint(0, 2, (N, T), generator=g), index=torch.randint(-1, 2, (N, T), generator=g),
+                    count=torch.arange(N) % 3 + 1, rewards=torch.rand(N, 3, generator=g)),
     )
     fields.update(overrides)
     return fields
@@ -55,8 +57,8 @@ def test_valid_batch_and_properties():
     assert b.num_rows == N
     assert torch.equal(b.response_ids, b.input_ids[:, P:])
     assert b.response_lengths.tolist() == [2] * N
-    minimal = _batch(obs_mask=None, ref_logprobs=None, topk_ids=None, topk_logprobs=None, aux_ids=None)
-    assert minimal.obs_mask is None
+    minimal = _batch(turns=None, ref_logprobs=None, topk_ids=None, topk_logprobs=None, aux_ids=None)
+    assert minimal.turns is None
 
 
 @pytest.mark.parametrize(
@@ -71,7 +73,6 @@ def test_valid_batch_and_properties():
         ("rewards", torch.zeros(N, 1)),
         ("prompt_index", torch.zeros(N - 2, dtype=torch.long)),
         ("truncated", torch.zeros(1, dtype=torch.bool)),
-        ("obs_mask", torch.zeros(N, T + 2)),
         ("ref_logprobs", torch.zeros(N, 1)),
     ],
 )
@@ -108,8 +109,10 @@ def test_group_size_must_divide_rows(group_size):
 def _assert_rows(sub: RolloutBatch, full: RolloutBatch, rows: list[int]) -> None:
     idx = torch.tensor(rows)
     for f in ("input_ids", "attention_mask", "loss_mask", "sampler_logprobs", "rewards", "prompt_index",
-              "truncated", "obs_mask", "ref_logprobs"):
+              "truncated", "ref_logprobs"):
         assert torch.equal(getattr(sub, f), getattr(full, f)[idx]), f
+    for f, value in full.turns.tensors().items():
+        assert torch.equal(getattr(sub.turns, f), value[idx]), f
     assert set(sub.record.tensors()) == set(RECORD)
     for f in RECORD:
         assert torch.equal(getattr(sub.record, f), getattr(full.record, f)[idx]), f
@@ -140,10 +143,10 @@ def test_select_keeps_rows_and_group_size_only_for_whole_groups(rows, group_size
 
 
 def test_select_without_optional_fields_and_texts():
-    full = _batch(obs_mask=None, topk_ids=None, topk_logprobs=None, aux_ids=None, ref_logprobs=None,
+    full = _batch(turns=None, topk_ids=None, topk_logprobs=None, aux_ids=None, ref_logprobs=None,
                   prompts=[], responses=[])
     sub = full.select(torch.tensor([1, 4]))
-    assert sub.obs_mask is None and sub.record.tensors() == {} and sub.prompts == [] and sub.responses == []
+    assert sub.turns is None and sub.record.tensors() == {} and sub.prompts == [] and sub.responses == []
     assert sub.rewards.tolist() == [1.0, 4.0]
 
 
@@ -151,18 +154,19 @@ def test_to_moves_every_tensor():
     full = _batch()
     moved = full.to("meta")
     tensor_fields = [f.name for f in dataclasses.fields(RolloutBatch) if isinstance(getattr(full, f.name), Tensor)]
-    assert len(tensor_fields) >= 9
+    assert len(tensor_fields) >= 8
     pairs = [(name, getattr(moved, name), getattr(full, name)) for name in tensor_fields]
     pairs += [(f"record.{name}", getattr(moved.record, name), value) for name, value in full.record.tensors().items()]
-    assert len(pairs) >= 12
+    pairs += [(f"turns.{name}", getattr(moved.turns, name), value) for name, value in full.turns.tensors().items()]
+    assert len(pairs) >= 15
     for name, value, original in pairs:
         assert value.device.type == "meta", name
         assert value.dtype == original.dtype and value.shape == original.shape, name
         assert original.device.type == "cpu", name  # the original is untouched
     assert moved.prompts == full.prompts and moved.responses == full.responses
     assert (moved.group_size, moved.prompt_length, moved.temperature) == (G, P, 0.7)
-    partial = _batch(obs_mask=None, aux_ids=None).to("meta")
-    assert partial.obs_mask is None and partial.record.aux_ids is None and partial.input_ids.device.type == "meta"
+    partial = _batch(turns=None, aux_ids=None).to("meta")
+    assert partial.turns is None and partial.record.aux_ids is None and partial.input_ids.device.type == "meta"
 
 
 def test_prompt_batch_to_is_identity():
@@ -186,3 +190,54 @@ def test_from_generation_puts_prompt_and_response_side_by_side():
     assert torch.equal(batch.sampler_logprobs, gen.logprobs) and torch.equal(batch.loss_mask, gen.mask)
     assert batch.truncated.tolist() == [False, True] and batch.responses == ["a", "b"]
     assert (batch.temperature, batch.top_p, batch.group_size) == (0.7, 0.9, 2)
+
+
+def _turn_batch(turns: Turns, width: int) -> RolloutBatch:
+    n = turns.count.shape[0]
+    return RolloutBatch(input_ids=torch.ones(n, 1 + width, dtype=torch.long),
+                        attention_mask=torch.ones(n, 1 + width, dtype=torch.long), prompt_length=1,
+                        loss_mask=(turns.index >= 0).long(), sampler_logprobs=torch.zeros(n, width),
+                        rewards=torch.zeros(n), group_size=1, prompt_index=torch.zeros(n, dtype=torch.long),
+                        truncated=torch.zeros(n, dtype=torch.bool), turns=turns)
+
+
+def test_turns_select_keeps_the_rows_and_concat_pads_index_obs_mask_and_rewards():
+    nan = math.nan
+    two = Turns(obs_mask=torch.tensor([[0, 1, 0], [0, 0, 0]]), index=torch.tensor([[0, -1, 1], [0, 0, -1]]),
+                count=torch.tensor([2, 1]), rewards=torch.tensor([[0.5, 0.25], [1.0, nan]]))
+    one = Turns(obs_mask=torch.tensor([[0, 1, 0, 1, 0]]), index=torch.tensor([[0, -1, 1, -1, 2]]),
+                count=torch.tensor([3]), rewards=torch.tensor([[0.0, 0.0, 1.0]]))
+    picked = two.select(torch.tensor([1]))
+    assert picked.obs_mask.tolist() == [[0, 0, 0]] and picked.index.tolist() == [[0, 0, -1]]
+    assert picked.count.tolist() == [1] and picked.rewards[0, 0] == 1.0 and picked.rewards[0, 1].isnan()
+    swapped = two.select(torch.tensor([1, 0]))
+    assert swapped.index.tolist() == [[0, 0, -1], [0, -1, 1]] and swapped.count.tolist() == [1, 2]
+    want_index = [[0, -1, 1, -1, -1], [0, 0, -1, -1, -1], [0, -1, 1, -1, 2]]
+    want_obs = [[0, 1, 0, 0, 0], [0, 0, 0, 0, 0], [0, 1, 0, 1, 0]]
+    want_rewards = torch.tensor([[0.5, 0.25, nan], [1.0, nan, nan], [0.0, 0.0, 1.0]])
+    joined = Turns.concat([two, one], width=5)
+    # and the same through the batch, which pads to its widest response (5) and the most turns (3)
+    through = RolloutBatch.concat([_turn_batch(two, 3), _turn_batch(one, 5)]).turns
+    for got in (joined, through):
+        assert got.index.tolist() == want_index and got.obs_mask.tolist() == want_obs
+        assert got.count.tolist() == [2, 1, 3]
+        torch.testing.assert_close(got.rewards, want_rewards, equal_nan=True, rtol=0, atol=0)
+    moved = two.map(lambda value: value.to("meta"))
+    assert all(value.device.type == "meta" for value in moved.tensors().values())
+    assert set(two.tensors()) == {"obs_mask", "index", "count", "rewards"}
+
+
+@pytest.mark.parametrize(
+    ("name", "bad"),
+    [
+        ("obs_mask", torch.zeros(N, T + 2, dtype=torch.long)),
+        ("index", torch.zeros(N - 1, T, dtype=torch.long)),
+        ("count", torch.zeros(N, 1, dtype=torch.long)),
+        ("rewards", torch.zeros(N)),
+        ("rewards", torch.zeros(N + 1, 2)),
+    ],
+)
+def test_turns_shape_validation_names_the_field(name, bad):
+    turns = dataclasses.replace(_fields()["turns"], **{name: bad})
+    with pytest.raises(ValueError, match=f"RolloutBatch.turns.{name} has shape"):
+        _batch(turns=turns)

@@ -25,7 +25,7 @@ def _bound(dm: RolloutDataModule, module: GRPO) -> RolloutDataModule:
 
 def _real(batch, row: int) -> list[int]:
     """The row's response ids: sampled and observation ids, no padding."""
-    keep = (batch.loss_mask[row] | batch.obs_mask[row]).bool()
+    keep = (batch.loss_mask[row] | batch.turns.obs_mask[row]).bool()
     return batch.response_ids[row][keep].tolist()
 
 
@@ -84,7 +84,7 @@ def test_a_cut_row_continued_from_its_end_state_is_the_uncut_episode(guess):
         assert first.ends.states[r].prefix_ids + _real(rest, k) == _real(straight, r)
         assert float(first.rewards[r] + rest.rewards[k]) == float(straight.rewards[r])
         assert bool(rest.ends.terminated[k]) == bool(straight.ends.terminated[r])
-        assert int(first.num_turns[r] + rest.num_turns[k]) == int(straight.num_turns[r])
+        assert int(first.turns.count[r] + rest.turns.count[k]) == int(straight.turns.count[r])
     with pytest.raises(ValueError, match="terminated"):
         Branch.from_rollout(first, int(first.ends.terminated.nonzero()[0]))
 
@@ -99,10 +99,10 @@ def test_each_branch_has_its_own_horizon_and_token_budget():
     prompt = task.train_prompt(0)
     strategy.set_branches([Branch(prompt, max_turns=1), Branch(prompt, max_turns=2), Branch(prompt, max_tokens=4)])
     batch = dm.rollout(dm.prompt_batch(0))
-    assert (batch.num_turns[:4] == 1).all()  # horizon 1
-    assert (batch.num_turns[4:8] <= 2).all() and (batch.num_turns[4:8] == 2).any()  # horizon 2
-    assert (batch.num_turns[8:] > 2).any() or (batch.truncated[8:]).all()  # the third: its budget, not 5 turns
-    lengths = (batch.loss_mask | batch.obs_mask).sum(dim=1)
+    assert (batch.turns.count[:4] == 1).all()  # horizon 1
+    assert (batch.turns.count[4:8] <= 2).all() and (batch.turns.count[4:8] == 2).any()  # horizon 2
+    assert (batch.turns.count[8:] > 2).any() or (batch.truncated[8:]).all()  # the third: its budget, not 5 turns
+    lengths = (batch.loss_mask | batch.turns.obs_mask).sum(dim=1)
     assert (lengths[8:] <= 4).all() and (lengths[:8] > 0).all()
     assert strategy.max_turns == 5  # the strategy itself is untouched
 
@@ -228,14 +228,14 @@ def test_an_end_state_under_a_chat_template_continues_the_templates_rendering():
     end = first.ends.states[0]
     assert end.turns[0][1] == "n1:" and "3u:n1:|4a:" in tok.decode(end.final_obs_ids)
     rest = dm.rollout_branches([Branch.from_rollout(first, 0, max_turns=2)], n=2, seed=1)
-    assert rest.ends.terminated.all() and (rest.num_turns == 2).all()  # turns 2 and 3 end the environment's episode
+    assert rest.ends.terminated.all() and (rest.turns.count == 2).all()  # turns 2 and 3 end the environment's episode
     for row in range(2):
         context = rest.input_ids[row, : rest.prompt_length][rest.attention_mask[row, : rest.prompt_length].bool()]
         trajectory = context.tolist() + _real(rest, row)
         messages = [{"role": "user", "content": "go:"}, {"role": "assistant", "content": end.turns[0][0]},
                     {"role": "user", "content": "n1:"}]
         for turn in range(2):
-            ids = rest.response_ids[row][rest.turn_index[row] == turn].tolist()
+            ids = rest.response_ids[row][rest.turns.index[row] == turn].tolist()
             messages.append({"role": "assistant", "content": tok.decode(ids, skip_special_tokens=True)})
             if turn == 0:
                 messages.append({"role": "user", "content": "n2:"})

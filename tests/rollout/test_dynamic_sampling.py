@@ -3,13 +3,14 @@ and ``RolloutBatch.concat`` (single- and multi-turn fields)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
 from rl_lightning.algorithms import GRPO
-from rl_lightning.rollout import Evaluation, GroupRollout, RewardSpread, RolloutBatch, Sampling
+from rl_lightning.rollout import Evaluation, GroupRollout, RewardSpread, RolloutBatch, Sampling, Turns
 from tests.conftest import RecordRollouts, tiny_datamodule, tiny_trainer
 from tests.rollout.test_batch import _batch
 
@@ -24,8 +25,11 @@ def test_reward_spread_keeps_the_groups_whose_rewards_differ():
 
 def _assert_same(a: RolloutBatch, b: RolloutBatch) -> None:
     for name in ("input_ids", "attention_mask", "loss_mask", "sampler_logprobs", "rewards", "prompt_index",
-                 "truncated", "obs_mask", "ref_logprobs"):
+                 "truncated", "ref_logprobs"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert set(a.turns.tensors()) == set(b.turns.tensors())
+    for name, value in a.turns.tensors().items():
+        assert torch.equal(value, getattr(b.turns, name)), name
     assert set(a.record.tensors()) == set(b.record.tensors())
     for name, value in a.record.tensors().items():
         assert torch.equal(value, getattr(b.record, name)), name
@@ -43,29 +47,30 @@ def test_concat_pads_prompts_left_responses_right_and_turn_fields_with_their_fil
     a = RolloutBatch(input_ids=torch.tensor([[7, 8, 1, 2]]), attention_mask=torch.ones(1, 4, dtype=torch.long),
                      prompt_length=2, loss_mask=torch.tensor([[1, 1]]), sampler_logprobs=torch.tensor([[-1.0, -2.0]]),
                      rewards=torch.tensor([1.0]), group_size=1, prompt_index=torch.tensor([0]),
-                     truncated=torch.tensor([False]), turn_index=torch.tensor([[0, 1]]),
-                     turn_rewards=torch.tensor([[0.5, 0.5]]), num_turns=torch.tensor([2]), rollout_time=1.0,
-                     env_errors=1, extras={"w": torch.tensor([3.0])})
+                     truncated=torch.tensor([False]),
+                     turns=Turns(obs_mask=torch.tensor([[0, 0]]), index=torch.tensor([[0, 1]]),
+                                 count=torch.tensor([2]), rewards=torch.tensor([[0.5, 0.5]])),
+                     rollout_time=1.0, env_errors=1, extras={"w": torch.tensor([3.0])})
     b = RolloutBatch(input_ids=torch.tensor([[6, 7, 8, 3, 4, 5]]), attention_mask=torch.ones(1, 6, dtype=torch.long),
                      prompt_length=3, loss_mask=torch.tensor([[1, 0, 1]]),
                      sampler_logprobs=torch.tensor([[-3.0, 0.0, -4.0]]), rewards=torch.tensor([0.0]), group_size=1,
                      prompt_index=torch.tensor([1]), truncated=torch.tensor([True]),
-                     turn_index=torch.tensor([[0, -1, 1]]), turn_rewards=torch.tensor([[0.0, 0.0, 0.0]]),
-                     num_turns=torch.tensor([3]), rollout_time=2.0, extras={"w": torch.tensor([4.0])})
+                     turns=Turns(obs_mask=torch.tensor([[0, 1, 0]]), index=torch.tensor([[0, -1, 1]]),
+                                 count=torch.tensor([3]), rewards=torch.tensor([[0.0, 0.0, 0.0]])),
+                     rollout_time=2.0, extras={"w": torch.tensor([4.0])})
     joined = RolloutBatch.concat([a, b], pad_id=9)
     assert joined.prompt_length == 3
     assert joined.input_ids.tolist() == [[9, 7, 8, 1, 2, 0], [6, 7, 8, 3, 4, 5]]
     assert joined.attention_mask.tolist() == [[0, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]]
     assert joined.loss_mask.tolist() == [[1, 1, 0], [1, 0, 1]]
     assert joined.sampler_logprobs.tolist() == [[-1.0, -2.0, 0.0], [-3.0, 0.0, -4.0]]
-    assert joined.turn_index.tolist() == [[0, 1, -1], [0, -1, 1]]
-    assert joined.turn_rewards[0, :2].tolist() == [0.5, 0.5] and math.isnan(joined.turn_rewards[0, 2])
-    assert joined.num_turns.tolist() == [2, 3] and joined.extras["w"].tolist() == [3.0, 4.0]
+    assert joined.turns.index.tolist() == [[0, 1, -1], [0, -1, 1]]
+    assert joined.turns.obs_mask.tolist() == [[0, 0, 0], [0, 1, 0]]
+    assert joined.turns.rewards[0, :2].tolist() == [0.5, 0.5] and math.isnan(joined.turns.rewards[0, 2])
+    assert joined.turns.count.tolist() == [2, 3] and joined.extras["w"].tolist() == [3.0, 4.0]
     assert joined.rollout_time == 3.0 and joined.env_errors == 1
-    with pytest.raises(ValueError, match="turn_index is recorded in some"):
-        RolloutBatch.concat([a, RolloutBatch(**{**{f: getattr(b, f) for f in (
-            "input_ids", "attention_mask", "prompt_length", "loss_mask", "sampler_logprobs", "rewards", "group_size",
-            "prompt_index", "truncated", "turn_rewards", "num_turns", "extras")}})])
+    with pytest.raises(ValueError, match="turns is recorded in some"):
+        RolloutBatch.concat([a, dataclasses.replace(b, turns=None)])
     with pytest.raises(ValueError, match="group_size"):
         RolloutBatch.concat([_batch(), _batch(group_size=3)])
 
@@ -210,7 +215,7 @@ def test_shaping_adds_to_training_rewards_after_the_filter_chose_on_the_task_rew
 
 def test_multi_turn_episodes_are_filled_and_joined_with_their_turn_fields(tmp_path):
     """Guess-the-number, up to 5 turns: rounds of episodes of different lengths are joined by RolloutBatch.concat
-    (turn_index, num_turns, turn_rewards, obs_mask, end states); the step trains on 4 x 4 rows whose fields agree,
+    (turns, end states); the step trains on 4 x 4 rows whose fields agree,
     and ``perf/sampled_tokens`` counts every round's model tokens."""
     from rl_lightning.envs import GuessNumberTask
     from rl_lightning.rollout import RolloutDataModule
@@ -244,11 +249,11 @@ def test_multi_turn_episodes_are_filled_and_joined_with_their_turn_fields(tmp_pa
     start = 0
     for step, batch in enumerate(seen):
         rounds = int(record.metrics[step]["train/sampling_rounds"])
-        assert batch.num_rows == 16 and batch.turn_index is not None and batch.num_turns is not None
+        assert batch.num_rows == 16 and batch.turns is not None
         assert record.metrics[step]["perf/sampled_tokens"] == sum(strategy.tokens[start:start + rounds])
         start += rounds
         for row in range(batch.num_rows):  # each row's turn fields still describe its own tokens
-            generated = batch.turn_index[row][batch.loss_mask[row].bool()]
-            assert int(generated.max()) + 1 == int(batch.num_turns[row])
-            assert bool((batch.turn_index[row][~batch.loss_mask[row].bool()] == -1).all())
-        assert torch.allclose(torch.nan_to_num(batch.turn_rewards).sum(dim=1), batch.rewards)
+            generated = batch.turns.index[row][batch.loss_mask[row].bool()]
+            assert int(generated.max()) + 1 == int(batch.turns.count[row])
+            assert bool((batch.turns.index[row][~batch.loss_mask[row].bool()] == -1).all())
+        assert torch.allclose(torch.nan_to_num(batch.turns.rewards).sum(dim=1), batch.rewards)

@@ -75,25 +75,25 @@ def rollout(module: GRPO, strategy: GroupRollout, task: Task | None = None, step
 def test_the_trajectory_is_the_sampled_ids_with_the_observation_ids_between_them(module):
     batch = rollout(module, GroupRollout(max_turns=3))
     tok = module.tokenizer
-    assert (batch.num_turns == 3).all()
-    assert not (batch.loss_mask.bool() & batch.obs_mask.bool()).any()
+    assert (batch.turns.count == 3).all()
+    assert not (batch.loss_mask.bool() & batch.turns.obs_mask.bool()).any()
     for row in range(batch.num_rows):
         ids = batch.response_ids[row]
-        turns = batch.turn_index[row]
+        turns = batch.turns.index[row]
         for turn in range(3):  # each turn's ids are model ids with that turn index, contiguous
             positions = (turns == turn).nonzero().flatten()
             assert positions.numel() >= 1 and (positions.diff() == 1).all()
             assert batch.loss_mask[row, positions].all()
-        obs_ids = ids[batch.obs_mask[row].bool()].tolist()
+        obs_ids = ids[batch.turns.obs_mask[row].bool()].tolist()
         assert obs_ids == (tok("n1:", add_special_tokens=False)["input_ids"]
                            + tok("n2:", add_special_tokens=False)["input_ids"])
         # the observation follows its turn immediately, and the turn before it is model ids
-        first_obs = int(batch.obs_mask[row].nonzero()[0])
-        assert batch.loss_mask[row, first_obs - 1] == 1 and batch.turn_index[row, first_obs - 1] == 0
+        first_obs = int(batch.turns.obs_mask[row].nonzero()[0])
+        assert batch.loss_mask[row, first_obs - 1] == 1 and batch.turns.index[row, first_obs - 1] == 0
         assert (batch.attention_mask[row, batch.prompt_length:].bool()
-                == (batch.loss_mask[row].bool() | batch.obs_mask[row].bool())).all()
-    assert batch.turn_rewards.shape == (6, 3)
-    assert torch.equal(batch.rewards, batch.turn_rewards.nansum(dim=1))
+                == (batch.loss_mask[row].bool() | batch.turns.obs_mask[row].bool())).all()
+    assert batch.turns.rewards.shape == (6, 3)
+    assert torch.equal(batch.rewards, batch.turns.rewards.nansum(dim=1))
 
 
 def test_the_learner_recomputes_the_samplers_logprobs_on_episodes(module):
@@ -112,15 +112,15 @@ def test_carrying_the_cache_equals_re_encoding_the_history(module):
     carried = rollout(module, GroupRollout(max_turns=3))
     again = rollout(module, GroupRollout(max_turns=3, carry_cache=False))
     assert torch.equal(carried.input_ids, again.input_ids)
-    assert torch.equal(carried.loss_mask, again.loss_mask) and torch.equal(carried.obs_mask, again.obs_mask)
+    assert torch.equal(carried.loss_mask, again.loss_mask) and torch.equal(carried.turns.obs_mask, again.turns.obs_mask)
     assert (carried.sampler_logprobs - again.sampler_logprobs).abs().max() < 1e-4
 
 
 def test_limits_end_runaway_episodes_and_flag_them(module):
-    turns = rollout(module, GroupRollout(max_turns=2), task=CountdownTask(turns=10))
-    assert (turns.num_turns == 2).all() and turns.truncated.all()
+    by_turns = rollout(module, GroupRollout(max_turns=2), task=CountdownTask(turns=10))
+    assert (by_turns.turns.count == 2).all() and by_turns.truncated.all()
     tokens = rollout(module, GroupRollout(max_turns=10, max_episode_tokens=8), task=CountdownTask(turns=10))
-    lengths = (tokens.loss_mask + tokens.obs_mask).sum(dim=1)
+    lengths = (tokens.loss_mask + tokens.turns.obs_mask).sum(dim=1)
     assert (lengths <= 8).all() and tokens.truncated.all()
 
 
@@ -128,7 +128,7 @@ def test_single_turn_tasks_are_one_step_episodes(module):
     from rl_lightning.envs import ArithmeticTask
 
     batch = rollout(module, GroupRollout(), task=ArithmeticTask(num_heldout=4))
-    assert batch.obs_mask is None and batch.turn_index is None  # one generate call, as before
+    assert batch.turns is None  # one generate call, as before
     assert batch.prompt_id.tolist() == [p.uid for p in batch.prompts]
 
 
@@ -157,7 +157,7 @@ def test_an_environment_that_raises_names_episode_turn_and_action(module, monkey
         rollout(module, GroupRollout(max_turns=3), task=CountdownTask(fragile=True))
     batch = rollout(module, GroupRollout(max_turns=3, env_errors="fail_episode"), task=CountdownTask(fragile=True))
     assert batch.env_errors == 1
-    assert batch.num_turns[1] == 2 and (batch.num_turns[[0, 2, 3, 4, 5]] == 3).all()
+    assert batch.turns.count[1] == 2 and (batch.turns.count[[0, 2, 3, 4, 5]] == 3).all()
 
 
 def test_a_failed_episode_returns_zero_whatever_its_earlier_turns_earned(module, monkeypatch):
@@ -167,8 +167,8 @@ def test_a_failed_episode_returns_zero_whatever_its_earlier_turns_earned(module,
     batch = rollout(module, GroupRollout(max_turns=3, env_errors="fail_episode"),
                     task=CountdownTask(fragile=True, pay=1.0))
     assert batch.rewards.tolist() == [3.0, 0.0, 3.0, 3.0, 3.0, 3.0]
-    assert batch.turn_rewards[1, :2].tolist() == [0.0, 0.0] and batch.turn_rewards[1, 2].isnan()
-    assert batch.num_turns.tolist() == [3, 2, 3, 3, 3, 3]
+    assert batch.turns.rewards[1, :2].tolist() == [0.0, 0.0] and batch.turns.rewards[1, 2].isnan()
+    assert batch.turns.count.tolist() == [3, 2, 3, 3, 3, 3]
     assert float(module.rollout_metrics(batch)["train/env_errors"]) == 1.0
 
 
@@ -188,7 +188,7 @@ def test_a_failed_branch_episode_returns_zero_too(module, monkeypatch):
     strategy.set_branches([Branch(Prompt("go:"), [], env.snapshot(), turns=[("x", "n1:")])])
     batch = dm.rollout(dm.prompt_batch(0))
     assert batch.env_errors == 1 and batch.rewards.tolist() == [2.0, 0.0, 2.0]
-    assert batch.turn_rewards.tolist() == [[1.0, 1.0], [0.0, 0.0], [1.0, 1.0]]
+    assert batch.turns.rewards.tolist() == [[1.0, 1.0], [0.0, 0.0], [1.0, 1.0]]
 
 
 class _EndingEnv(Environment):
@@ -274,7 +274,7 @@ def test_an_environment_turn_reward_that_is_not_a_finite_real_number_is_refused(
 def test_an_environment_turn_reward_may_be_any_real_number(module, value):
     """The numbers a reward function may return (``bool`` included, as ``numbers.Real``) are taken as floats."""
     batch = rollout(module, GroupRollout(max_turns=3), task=_RewardTask(value))
-    assert batch.turn_rewards[:, 1].tolist() == [float(value)] * 6
+    assert batch.turns.rewards[:, 1].tolist() == [float(value)] * 6
 
 
 def test_per_row_extras_survive_select_and_the_batch_changes_only_through_replace(module):
@@ -282,7 +282,7 @@ def test_per_row_extras_survive_select_and_the_batch_changes_only_through_replac
     batch.extras["score"] = torch.arange(6.0)
     part = batch.select(torch.tensor([4, 1]))
     assert part.extras["score"].tolist() == [4.0, 1.0]
-    assert part.turn_index.shape[0] == 2 and part.num_turns.shape == (2,) and part.prompt_id.shape == (2,)
+    assert part.turns.index.shape[0] == 2 and part.turns.count.shape == (2,) and part.prompt_id.shape == (2,)
     with pytest.raises(dataclasses.FrozenInstanceError):  # an unknown attribute would be lost by select()/to()
         batch.my_tensor = torch.zeros(6)
     with pytest.raises(dataclasses.FrozenInstanceError):  # a field too: a new batch is dataclasses.replace(...)
@@ -297,10 +297,10 @@ def test_the_outcome_reward_sits_on_the_last_model_token_and_observations_get_no
     for row in range(batch.num_rows):
         last_model = int(batch.loss_mask[row].nonzero()[-1])
         assert token_rewards[row, last_model] == rewards[row]
-        assert token_rewards[row][batch.obs_mask[row].bool()].abs().sum() == 0
+        assert token_rewards[row][batch.turns.obs_mask[row].bool()].abs().sum() == 0
     values = torch.randn(batch.loss_mask.shape) * batch.loss_mask
     adv, _ = gae(token_rewards, values, batch.loss_mask, gamma=1.0, lam=0.95)
-    assert (adv[batch.obs_mask.bool()] == 0).all()
+    assert (adv[batch.turns.obs_mask.bool()] == 0).all()
     # removing the observation columns (same values at the model tokens) leaves the model tokens' advantages
     for row in range(batch.num_rows):
         keep = batch.loss_mask[row].bool()
@@ -332,12 +332,12 @@ CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}{%
 def conversation_ids(tokenizer, batch: RolloutBatch, row: int, observations: list[str]) -> tuple[list[int], list[int]]:
     """(the trajectory's ids, the template's rendering of the whole conversation, tokenised)."""
     prompt = batch.input_ids[row, : batch.prompt_length][batch.attention_mask[row, : batch.prompt_length].bool()]
-    response = batch.response_ids[row][(batch.loss_mask[row] | batch.obs_mask[row]).bool()]
+    response = batch.response_ids[row][(batch.loss_mask[row] | batch.turns.obs_mask[row]).bool()]
     messages = [{"role": "user", "content": "go:"}]
-    for turn in range(int(batch.num_turns[row])):
-        ids = batch.response_ids[row][batch.turn_index[row] == turn].tolist()
+    for turn in range(int(batch.turns.count[row])):
+        ids = batch.response_ids[row][batch.turns.index[row] == turn].tolist()
         messages.append({"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)})
-        if turn < int(batch.num_turns[row]) - 1:
+        if turn < int(batch.turns.count[row]) - 1:
             messages.append({"role": "user", "content": observations[turn]})
     rendered = tokenizer.apply_chat_template(messages, tokenize=False)
     return prompt.tolist() + response.tolist(), tokenizer(rendered, add_special_tokens=False)["input_ids"]
@@ -352,7 +352,7 @@ def test_with_a_chat_template_the_trajectory_is_the_templates_rendering_of_the_c
                            sampling=Sampling(max_new_tokens=4), prompt_format=PromptFormat(use_chat_template=True))
     dm.trainer = fake_trainer(module)
     batch = dm.rollout(dm.prompt_batch(0))  # sampled (seeded): some turns are cut before EOS at 1 token
-    assert (batch.num_turns == 3).all()
+    assert (batch.turns.count == 3).all()
     cuts = 0
     for row in range(batch.num_rows):
         trajectory, rendered = conversation_ids(module.tokenizer, batch, row, ["n1:", "n2:"])
@@ -361,7 +361,7 @@ def test_with_a_chat_template_the_trajectory_is_the_templates_rendering_of_the_c
         closed = trajectory[-1] == module.tokenizer.eos_token_id
         assert module.tokenizer.decode(rendered[len(trajectory):]) == ("|" if closed else "<eos>|")
         # a turn cut before EOS gets it from the template's next message (an observation id, not a model id)
-        ids, obs = batch.response_ids[row], batch.obs_mask[row].bool()
+        ids, obs = batch.response_ids[row], batch.turns.obs_mask[row].bool()
         starts = [t for t in range(1, ids.numel()) if obs[t] and not obs[t - 1]]
         assert len(starts) == 2
         for start in starts:
@@ -381,10 +381,10 @@ def test_observation_tokens_get_zero_loss_and_zero_kl(module):
     batch = rollout(module, GroupRollout(max_turns=3))
     batch = dataclasses.replace(batch, rewards=torch.arange(6.0))
     weights = module.loss_weights(batch)
-    assert (weights[batch.obs_mask.bool()] == 0).all() and (weights[batch.loss_mask.bool()] > 0).all()
+    assert (weights[batch.turns.obs_mask.bool()] == 0).all() and (weights[batch.loss_mask.bool()] > 0).all()
     advantages = Advantages(module.compute_advantages(batch).unsqueeze(-1))
     logprobs = torch.randn(batch.loss_mask.shape) * batch.loss_mask
-    noise = torch.randn(batch.loss_mask.shape) * batch.obs_mask  # anything at the observation positions
+    noise = torch.randn(batch.loss_mask.shape) * batch.turns.obs_mask  # anything at the observation positions
     loss, _ = module.policy_loss(batch, PolicyOutput(logprobs), advantages, weights)
     noisy, _ = module.policy_loss(batch, PolicyOutput(logprobs + noise), advantages, weights)
     assert torch.equal(loss, noisy)
@@ -405,9 +405,9 @@ def test_ppo_advantages_skip_observation_tokens(module):
         adv = ppo.compute_advantages(batch)
     advantages = adv.advantages
     assert advantages.shape == batch.loss_mask.shape
-    assert (advantages[batch.obs_mask.bool()] == 0).all()
+    assert (advantages[batch.turns.obs_mask.bool()] == 0).all()
     assert (advantages[batch.loss_mask.bool()] != 0).any()
-    assert (adv.values[batch.obs_mask.bool()] == 0).all()  # the critic's values are masked there too
+    assert (adv.values[batch.turns.obs_mask.bool()] == 0).all()  # the critic's values are masked there too
 
 
 def test_extra_sampler_outputs_on_episodes_sit_at_the_sampled_positions(module):
@@ -419,7 +419,7 @@ def test_extra_sampler_outputs_on_episodes_sit_at_the_sampled_positions(module):
     assert torch.equal(plain.input_ids, rich.input_ids) and torch.equal(plain.sampler_logprobs, rich.sampler_logprobs)
     n, t = rich.loss_mask.shape
     assert rich.record.topk_ids.shape == (n, t, 4) and rich.record.aux_ids.shape == (n, t, 3)
-    assert (rich.num_turns > 1).any() and rich.obs_mask.any()
+    assert (rich.turns.count > 1).any() and rich.turns.obs_mask.any()
     with torch.no_grad():
         logits = module.policy(input_ids=rich.input_ids, attention_mask=rich.attention_mask,
                                position_ids=(rich.attention_mask.cumsum(-1) - 1).clamp(min=0)).logits
@@ -453,8 +453,8 @@ def test_a_branch_with_a_chat_template_continues_the_templates_rendering_of_the_
     dm.trainer = fake_trainer(module)
     recorded = dm.rollout(dm.prompt_batch(0))
     ids = recorded.response_ids[0]
-    first_turn = ids[recorded.turn_index[0] == 0].tolist()
-    obs = recorded.obs_mask[0].bool()
+    first_turn = ids[recorded.turns.index[0] == 0].tolist()
+    obs = recorded.turns.obs_mask[0].bool()
     start = len(first_turn)
     end = start + int(obs[start:].int().argmin())  # the first observation's span
     prefix = first_turn + ids[start:end].tolist()
@@ -471,21 +471,21 @@ def test_a_branch_with_a_chat_template_continues_the_templates_rendering_of_the_
         return bdm.rollout(bdm.prompt_batch(0))
 
     batch = branched([(action, "n1:")])
-    assert (batch.num_turns == 2).all()
+    assert (batch.turns.count == 2).all()
     for row in range(batch.num_rows):
         context = batch.input_ids[row, : batch.prompt_length][batch.attention_mask[row, : batch.prompt_length].bool()]
-        response = batch.response_ids[row][(batch.loss_mask[row] | batch.obs_mask[row]).bool()]
+        response = batch.response_ids[row][(batch.loss_mask[row] | batch.turns.obs_mask[row]).bool()]
         trajectory = context.tolist() + response.tolist()
         messages = [{"role": "user", "content": "go:"}, {"role": "assistant", "content": action},
                     {"role": "user", "content": "n1:"}]
         for turn in range(2):
-            turn_ids = batch.response_ids[row][batch.turn_index[row] == turn].tolist()
+            turn_ids = batch.response_ids[row][batch.turns.index[row] == turn].tolist()
             messages.append({"role": "assistant", "content": tok.decode(turn_ids, skip_special_tokens=True)})
             if turn == 0:
                 messages.append({"role": "user", "content": "n2:"})
         rendered = tok(tok.apply_chat_template(messages, tokenize=False), add_special_tokens=False)["input_ids"]
         assert rendered[: len(trajectory)] == trajectory
-        assert "5u:n2:|6a:" in tok.decode(batch.response_ids[row][batch.obs_mask[row].bool()])
+        assert "5u:n2:|6a:" in tok.decode(batch.response_ids[row][batch.turns.obs_mask[row].bool()])
     # without the prefix's turns the template numbers the next observation as if the conversation began there
     forgetful = branched([])
-    assert "3u:n2:|4a:" in tok.decode(forgetful.response_ids[0][forgetful.obs_mask[0].bool()])
+    assert "3u:n2:|4a:" in tok.decode(forgetful.response_ids[0][forgetful.turns.obs_mask[0].bool()])

@@ -145,7 +145,7 @@ def test_branching_continues_n_times_from_a_saved_state_and_prefix(monkeypatch):
     for row in range(3):  # the prefix is context: in the prompt part, not in the loss
         context = batch.input_ids[row, : batch.prompt_length][batch.attention_mask[row, : batch.prompt_length].bool()]
         assert context.tolist() == [tok.bos_token_id, *first, *prefix]
-    assert (batch.num_turns <= 2).all()
+    assert (batch.turns.count <= 2).all()
     with pytest.raises(ValueError, match="no branches for step 1"):
         dm.rollout(dm.prompt_batch(1))
 
@@ -187,5 +187,5 @@ def test_branch_rollout_plays_held_out_episodes_with_the_tasks_limits_not_the_br
     plain = heldout(GroupRollout(max_turns=5, max_episode_tokens=32))
     branched = heldout(BranchRollout(n=2, max_turns=2, max_episode_tokens=32))
     assert plain.rewards.sum() == 11 and plain.num_rows == 31
-    assert torch.equal(branched.rewards, plain.rewards) and torch.equal(branched.num_turns, plain.num_turns)
+    assert torch.equal(branched.rewards, plain.rewards) and torch.equal(branched.turns.count, plain.turns.count)
     assert torch.equal(branched.input_ids, plain.input_ids) and torch.equal(branched.truncated, plain.truncated)

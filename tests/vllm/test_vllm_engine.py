@@ -188,7 +188,7 @@ def test_a_multi_turn_guess_episode_through_vllm_has_exactly_the_conversations_t
         batch = dm.rollout(dm.prompt_batch(0))
     finally:
         engine.close()
-    assert int(batch.num_turns.max()) >= 2  # episodes that went on after an observation
+    assert int(batch.turns.count.max()) >= 2  # episodes that went on after an observation
     # every history vLLM was sent is a prefix of its row's trajectory: prompt, turns, observations, nothing else
     rows = [batch.input_ids[i][batch.attention_mask[i].bool()].tolist() for i in range(batch.input_ids.shape[0])]
     for history in sent:

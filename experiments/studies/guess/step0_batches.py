@@ -32,10 +32,10 @@ def main() -> None:
     module = GRPO(model_name_or_path="embedded:guess")
     dm = data(module, 1.0, 0)
     batch = dm.rollout(dm.prompt_batch(0))
-    w = aggregation_weights(batch.loss_mask, "seq_mean_token_mean")
-    print(f"seed 0, T=1, step 0: weight on observation ids {float((w * batch.obs_mask).sum()):.1f}; row sums "
+    w, obs = aggregation_weights(batch.loss_mask, "seq_mean_token_mean"), batch.turns.obs_mask
+    print(f"seed 0, T=1, step 0: weight on observation ids {float((w * obs).sum()):.1f}; row sums "
           f"{w.sum(1).min():.6f}..{w.sum(1).max():.6f} (1/N = {1 / batch.num_rows:.6f}); sampled ids per episode "
-          f"{batch.loss_mask.sum(1).float().mean():.1f}, observation ids {batch.obs_mask.sum(1).float().mean():.1f}")
+          f"{batch.loss_mask.sum(1).float().mean():.1f}, observation ids {obs.sum(1).float().mean():.1f}")
     for temperature in (1.0, 0.7):
         dm = data(module, temperature, 0)
         found = bad = turns = constant = rows = 0
@@ -44,7 +44,7 @@ def main() -> None:
             found += float(b.rewards.sum())
             rows += b.num_rows
             bad += sum(r.count("bad:") for r in b.responses)
-            turns += int(b.num_turns.sum())
+            turns += int(b.turns.count.sum())
             groups = b.rewards.view(-1, 8)
             constant += int((groups.amax(1) == groups.amin(1)).sum())
         print(f"seed 0, T={temperature}, steps 0-3: sampled success {found / rows:.3f}, 'bad:' answers per turn "
