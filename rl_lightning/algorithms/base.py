@@ -27,10 +27,9 @@ from rl_lightning.algorithms.checks import (
 from rl_lightning.algorithms.distributed import Ranks, shard_module
 from rl_lightning.algorithms.evaluation import HeldoutEvaluation
 from rl_lightning.algorithms.forward import LearnerForward, PolicyOutput, with_proximal_logprobs
-from rl_lightning.algorithms.metrics import (
-    Metrics, StepLogging, Summed, UpdateMetrics, rollout_metrics, step_metrics,
-)
+from rl_lightning.algorithms.metrics import Metrics, Summed, UpdateMetrics, rollout_metrics, step_metrics
 from rl_lightning.algorithms.protocols import LossTerm
+from rl_lightning.algorithms.step_log import STEP_TOTALS, StepLog, StepLogging, StepTotals
 from rl_lightning.algorithms.planning import (
     check_rollout_settings, require_data_setting, rollout_weights, zero_advantage_rows,
 )
@@ -203,8 +202,9 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
         return []
 
     # ================================================================== the step
-    def training_step(self, batch: RolloutBatch, batch_idx: int) -> None:
+    def training_step(self, batch: RolloutBatch, batch_idx: int) -> dict[str, StepTotals]:
         start, step = time.perf_counter(), self.global_step  # updates done before this rollout
+        rates = self.learning_rates()  # the rates this update uses (the scheduler steps after it)
         for term in self._loss_terms():
             batch = term.prepare(self, batch) if hasattr(term, "prepare") else batch
         adv = checked_advantages(self, self.compute_advantages(batch), tuple(batch.loss_mask.shape))  # [N, 1] or [N, T]
@@ -212,8 +212,9 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
         scheduler = self.lr_schedulers()
         if scheduler is not None:
             scheduler.step()
-        metrics = {**step_metrics(stats, batch, time.perf_counter() - start), **self.rollout_metrics(batch)}
-        self.log_training_metrics(metrics, step=step, batch_size=batch.num_rows, tokens=batch.loss_mask.sum())
+        metrics = {**rates, **step_metrics(stats, batch, time.perf_counter() - start), **self.rollout_metrics(batch)}
+        totals = self.log_training_metrics(metrics, step=step, batch_size=batch.num_rows, tokens=batch.loss_mask.sum())
+        return {STEP_TOTALS: totals}  # to StepLog's on_train_batch_end: perf/step_time at the step's end
 
     def update(self, batch: RolloutBatch, adv: Advantages, weights: Tensor) -> dict[str, list[Tensor]]:
         """μ passes x minibatches optimiser steps of micro-batches (``update_plan.UpdatePlan``); their metrics."""
@@ -260,8 +261,9 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
         shard_module(self, self.device_mesh)
 
     def configure_callbacks(self) -> list[Callback]:
-        """The callbacks every run of a method needs: the held-out evaluation (``val/reward``)."""
-        return [HeldoutEvaluation()]
+        """The callbacks every run of a method needs: the held-out evaluation (``val/reward``) and the step's
+        closing log (``StepLog``: ``perf/*``; keep it last)."""
+        return [HeldoutEvaluation(), StepLog()]
 
     @property
     def val_history(self) -> list[tuple[int, float]]:

@@ -17,7 +17,6 @@ ranks depends on what the value is, so the value says it:
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Union
 
@@ -162,7 +161,7 @@ def rollout_metrics(batch: Any) -> dict[str, Tensor]:
 def step_metrics(stats: dict[str, list[Tensor]], batch: Any, update_time: float) -> dict[str, Tensor]:
     """One value per name for the step's log: the mean of each of the update's lists, the rollout metrics and the
     ``perf/...`` timings of the rollout, its reward and its update (``perf/step_time`` and ``perf/tokens_per_sec``
-    come after the step's callbacks: ``StepLogging.on_train_batch_end``)."""
+    come after the step's callbacks: ``step_log.StepLog``)."""
     metrics = {key: torch.stack([v.detach().float().reshape(()) for v in values]).mean()
                for key, values in stats.items()}
     return {**metrics, "perf/rollout_time": torch.tensor(batch.rollout_time),
@@ -190,65 +189,3 @@ def log_step(module: Any, metrics: dict[str, Tensor], step: int, batch_size: int
         scalars = {k: float(v) for k, v in reduced.items()}
         for logger in module.loggers:
             logger.log_metrics(scalars, step=step)
-
-
-class StepLogging:
-    """The step's log as ``RLModule`` methods: the learning rates each update was taken with, the metrics, the
-    metrics callbacks add (``add_step_metrics``) and the step's wall clock.
-
-    ``perf/step_time`` is the wall clock of the whole step: from the start of its rollout (the data module's
-    ``step_started``, noted in its ``on_after_batch_transfer`` before it generates) to after every
-    callback's ``on_train_batch_end`` (this module's ``on_train_batch_end`` runs last), so work callbacks do in the
-    step -- audits, extra rollouts, checkpoint writes -- counts. It and ``perf/tokens_per_sec`` are logged then,
-    with the callbacks' metrics, at the step's index.
-    """
-
-    _step_learning_rates: dict[str, Tensor] | None = None  # noted at on_train_batch_start for the step's log
-    _step_pending: tuple[int, int, float, float] | None = None  # (step, rows, tokens, fallback start)
-    _step_extra: dict[str, Tensor] | None = None  # add_step_metrics of the running step
-
-    def add_step_metrics(self, metrics: dict[str, Any]) -> None:
-        """Add metrics of the running training step from outside the update -- a callback's (an audit's error),
-        from any hook of the step (``on_train_batch_start``, a loss term, ``on_train_batch_end``). They are logged
-        at the step's index after every callback's ``on_train_batch_end``, averaged over ranks (every rank must
-        add the same names in a step: the reduction is a collective), and shown in the progress bar. Document
-        their names in docs/metrics.md."""
-        extra = self._step_extra if self._step_extra is not None else {}
-        extra.update({k: torch.as_tensor(v, dtype=torch.float32).detach().reshape(()) for k, v in metrics.items()})
-        self._step_extra = extra
-
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        """After every callback's ``on_train_batch_end``: ``perf/step_time``, ``perf/tokens_per_sec``,
-        ``perf/sampled_tokens`` (the data module's ``take_sampled_tokens``) and the metrics callbacks added
-        (``add_step_metrics``), at the step's index."""
-        pending, extra = self._step_pending, self._step_extra or {}
-        self._step_pending, self._step_extra = None, None
-        started = getattr(getattr(self.trainer, "datamodule", None), "step_started", None)
-        if pending is None:
-            return
-        step, rows, tokens, fallback = pending
-        seconds = time.perf_counter() - (started if started is not None else fallback)
-        perf = {"perf/step_time": torch.tensor(seconds), "perf/tokens_per_sec": torch.tensor(tokens / seconds)}
-        take = getattr(getattr(self.trainer, "datamodule", None), "take_sampled_tokens", None)
-        if callable(take):  # every token sampled in the step, one-off rollouts of callbacks included
-            perf["perf/sampled_tokens"] = torch.tensor(float(take()))
-        fill = getattr(getattr(self.trainer, "datamodule", None), "take_rollout_metrics", None)
-        if callable(fill):  # dynamic sampling's (the same names on every rank: the data module's group_filter)
-            perf.update(fill())
-        log_step(self, {**perf, **dict(sorted(extra.items()))}, step, rows, bar=tuple(extra))
-
-    def learning_rates(self) -> dict[str, Tensor]:
-        """``metrics.learning_rates`` of the run's optimisers (``train/lr``, ``train/lr_<group>``)."""
-        return learning_rates(self.trainer.optimizers) if self._trainer is not None else {}
-
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """Note the learning rates the coming update uses, so ``train/lr`` at step ``k`` is step ``k``'s rate."""
-        self._step_learning_rates = self.learning_rates()
-
-    def log_training_metrics(self, metrics: dict[str, Tensor], step: int, batch_size: int, tokens: Tensor) -> None:
-        """``metrics.log_step``: the step's metrics with its learning rates, averaged over ranks, at ``step``; its
-        ``tokens`` (generated) and timings are kept for ``perf/step_time`` at the step's end."""
-        rates, self._step_learning_rates = self._step_learning_rates, None
-        log_step(self, {**(self.learning_rates() if rates is None else rates), **metrics}, step, batch_size)
-        spent = sum(float(metrics.get(f"perf/{k}_time", 0.0)) for k in ("rollout", "reward", "update"))
-        self._step_pending = (step, batch_size, float(tokens), time.perf_counter() - spent)  # start if not clocked

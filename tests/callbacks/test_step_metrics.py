@@ -137,3 +137,38 @@ def test_sampled_tokens_of_a_plain_step_are_its_response_tokens(tmp_path):
     p = points.points
     for step in (0, 1):  # 16 rows of the tiny data module, the mean response length each
         assert p["perf/sampled_tokens"][step] == pytest.approx(p["train/response_length"][step] * 16, rel=1e-6)
+
+
+def test_no_mixin_of_rlmodule_overrides_a_lightning_hook_and_steplog_closes_the_step():
+    """The step's clock and closing log live in one named callback (StepLog), not in a mixin's Lightning hook: no
+    class RLModule mixes in besides LightningModule defines a name of LightningModule's, and StepLog is the last
+    callback a method brings, so the Trainer's callbacks run before it."""
+    from lightning.pytorch import LightningModule
+
+    from rl_lightning.algorithms import RLModule
+    from rl_lightning.algorithms.step_log import StepLog
+
+    lightning_names = {name for klass in LightningModule.__mro__ for name in vars(klass)}
+    mixins = [k for k in RLModule.__mro__[1:] if k not in LightningModule.__mro__]
+    assert mixins  # LearnerForward, StepLogging
+    for mixin in mixins:
+        overridden = sorted(set(vars(mixin)) & lightning_names - {"__init__", "__doc__", "__module__", "__dict__",
+                                                                  "__weakref__", "__annotations__", "__qualname__"})
+        assert overridden == [], (mixin.__name__, overridden)
+    assert isinstance(GRPO(model_name_or_path="embedded:random").configure_callbacks()[-1], StepLog)
+
+
+def test_training_step_returns_the_totals_steplog_logs_from(tmp_path):
+    from rl_lightning.algorithms.step_log import STEP_TOTALS, StepTotals
+
+    seen: list[Any] = []
+
+    class Outputs(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # noqa: ANN001
+            seen.append(outputs[STEP_TOTALS])
+
+    tiny_trainer(tmp_path, max_steps=2, callbacks=[Outputs()]).fit(GRPO(model_name_or_path="embedded:random"),
+                                                                    datamodule=tiny_datamodule())
+    assert [type(t) for t in seen] == [StepTotals, StepTotals]
+    assert [t.step for t in seen] == [0, 1]
+    assert all(t.rows == seen[0].rows > 0 and t.tokens > 0 for t in seen)
