@@ -206,7 +206,7 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
         start, step = time.perf_counter(), self.global_step  # updates done before this rollout
         rates = self.learning_rates()  # the rates this update uses (the scheduler steps after it)
         for term in self._loss_terms():
-            batch = term.prepare(self, batch) if hasattr(term, "prepare") else batch
+            batch = term.prepare(self, batch)
         adv = checked_advantages(self, self.compute_advantages(batch), tuple(batch.loss_mask.shape))  # [N, 1] or [N, T]
         stats = self.update(batch, adv, self.loss_weights(batch))
         scheduler = self.lr_schedulers()

@@ -234,7 +234,7 @@ def skipped_rows(module: Any, batch: RolloutBatch, adv: Advantages, terms: list[
     """``[N]`` bool, the rows an update does not forward: ``module.inert_rows``, when every loss term promises to
     be zero (``contributes(module)`` is ``False``; a term without it counts as contributing); ``None`` when skipping
     cannot apply (the same answer on every rank: it depends on the configuration only)."""
-    if any(not hasattr(t, "contributes") or t.contributes(module) for t in terms):
+    if any(t.contributes(module) for t in terms):
         return None
     rows = module.inert_rows(batch, adv)
     if rows is not None and tuple(rows.shape) != (batch.num_rows,):

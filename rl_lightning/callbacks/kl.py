@@ -6,17 +6,18 @@ from dataclasses import replace
 from typing import Literal
 
 import torch
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import LightningModule, Trainer
 from torch import Tensor, nn
 
 from rl_lightning.algorithms.base import RLModule
 from rl_lightning.algorithms.metrics import Metrics, Summed, TokenMean
+from rl_lightning.algorithms.protocols import LossTerm
 from rl_lightning.functional import KLKind, aggregate, kl_estimate
 from rl_lightning.rollout.batch import RolloutBatch
 
 
-class KLRegularizer(Callback):
-    """A KL penalty for any method, through the ``LossTerm`` protocol of ``RLModule``.
+class KLRegularizer(LossTerm):
+    """A KL penalty for any method, a ``LossTerm`` callback (``RLModule`` adds its term to every policy loss).
 
     The term is ``β · Σ_{i,t} w_{i,t} k_{i,t}`` with the method's own aggregation weights ``w`` and a per-token
     estimator ``k`` (k1/k2/k3 of ``functional.kl_estimate``) evaluated at the generated tokens, in the
@@ -61,7 +62,7 @@ class KLRegularizer(Callback):
             self.reference = pl_module.load_frozen_copy()  # type: ignore[operator]
 
     def prepare(self, module: RLModule, batch: RolloutBatch) -> RolloutBatch:
-        """``LossTerm``'s optional hook: the batch with the reference model's log-probs (``ref_logprobs``), once per
+        """``LossTerm.prepare``: the batch with the reference model's log-probs (``ref_logprobs``), once per
         rollout batch, shared by all iterations and minibatches."""
         if self.reference is None:
             return batch
@@ -69,7 +70,7 @@ class KLRegularizer(Callback):
             return replace(batch, ref_logprobs=module.token_logprobs(batch, model=self.reference)[0])
 
     def contributes(self, module: RLModule) -> bool:
-        """``LossTerm``'s optional promise: with ``beta = 0`` the term is exactly zero, so it never keeps a row
+        """``LossTerm.contributes``: with ``beta = 0`` the term is exactly zero, so it never keeps a row
         that the method finds inert from being skipped."""
         return self.beta != 0
 

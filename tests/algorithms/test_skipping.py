@@ -260,7 +260,9 @@ def test_a_contributing_kl_term_switches_skipping_off(monkeypatch):
 
 
 def test_a_loss_term_without_contributes_counts_as_contributing(monkeypatch):
-    class Nothing:
+    from rl_lightning.algorithms import LossTerm
+
+    class Nothing(LossTerm):
         def loss_term(self, module, batch, logprobs, weights):  # noqa: ANN001, ANN201
             return logprobs.new_zeros(()), {}
 

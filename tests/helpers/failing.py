@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback
 
+from rl_lightning.algorithms import LossTerm
 from rl_lightning.envs import ExactMatchReward, Prompt
 
 
@@ -24,7 +25,7 @@ class PoisonedReward(ExactMatchReward):
         return super().__call__(prompt, response)
 
 
-class NonFiniteAtStep(Callback):
+class NonFiniteAtStep(LossTerm):
     """A ``LossTerm`` that is 0, except NaN on the ``call``-th micro-batch (0-based) of step ``step``."""
 
     def __init__(self, step: int, call: int = 0) -> None:
