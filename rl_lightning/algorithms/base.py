@@ -1,10 +1,9 @@
 """``RLModule``: what every method shares; a method subclasses it and overrides a few narrow hooks.
 
-``training_step`` reads as the algorithm: the rollout batch, each ``LossTerm``'s ``prepare``, ``compute_advantages``,
-``loss_weights``, then ``update``: for each optimiser step of the ``update_plan.UpdatePlan`` and each of its
-micro-batches, ``forward_policy``, ``policy_loss`` (``-Σ w · policy_objective(ρ, A)``) ``+ extra_losses + LossTerm``s,
-backward; then clip, refuse non-finite values, step; last the step's metrics (``metrics.py``). The collectives are
-``Ranks``, the held-out evaluation the ``HeldoutEvaluation`` callback. ``global_step`` counts rollout batches.
+``training_step`` reads as the algorithm: each ``LossTerm``'s ``prepare``, ``compute_advantages``, ``loss_weights``,
+``update`` (per optimiser step and micro-batch of the ``UpdatePlan``: ``forward_policy``, ``policy_loss`` ``+
+extra_losses + LossTerm``s, backward; clip, refuse non-finite values, step), then the step's log (``StepLog``
+closes it). ``global_step`` counts rollout batches.
 """
 
 from __future__ import annotations
@@ -124,11 +123,8 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
 
     def policy_loss(self, batch: RolloutBatch, out: PolicyOutput, adv: Advantages,
                     weights: Tensor) -> tuple[Tensor, Metrics]:
-        """The policy's loss on ``batch``'s rows and its metrics. ``out``: ``forward_policy`` of those rows; ``adv``:
-        their slice (``adv.advantages`` ``[n, 1]`` or ``[n, T]``); ``weights`` ``[n, T]``: aggregation weights.
-
-        Default, every ratio method's one path: ``ρ = exp(log π_θ - log π_old)`` (``π_old``: ``ratio_reference``),
-        then ``-Σ w · policy_objective(ρ, A)`` (``train/policy_loss``)."""
+        """The loss on ``batch``'s rows and its metrics (``out``: their ``forward_policy``; ``weights`` ``[n, T]``).
+        Default: ``-Σ w · policy_objective(ρ, A)``, ``ρ = exp(log π_θ - log π_old)`` (``π_old``: ratio_reference)."""
         mask = batch.loss_mask
         ratio = torch.exp((out.logprobs - self.ratio_reference(batch, out).detach()) * mask)  # 1 on padding
         objective, metrics = self.policy_objective(batch, out, ratio, adv)
@@ -261,8 +257,7 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
         shard_module(self, self.device_mesh)
 
     def configure_callbacks(self) -> list[Callback]:
-        """The callbacks every run of a method needs: the held-out evaluation (``val/reward``) and the step's
-        closing log (``StepLog``: ``perf/*``; keep it last)."""
+        """Every run's callbacks: the held-out evaluation (``val/reward``) and, last, the step's log (``StepLog``)."""
         return [HeldoutEvaluation(), StepLog()]
 
     @property
@@ -302,5 +297,4 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
         metrics.add("train/grad_norm", grad_norm)
         for name, norm in group_norms.items():
             metrics.add(f"train/grad_norm_{name}", norm)
-        # only the last step is Lightning's, so that global_step counts rollout batches
-        (optimizer.step if step.last else optimizer.optimizer.step)()
+        (optimizer.step if step.last else optimizer.optimizer.step)()  # the last is Lightning's: global_step
