@@ -56,8 +56,8 @@ def trim_padding(batch: RolloutBatch) -> RolloutBatch:
         return batch
     known = {"input_ids", "attention_mask", *_TOKEN_FIELDS}
     others = [getattr(batch, f.name) for f in fields(batch) if f.name not in known] + list(batch.extras.values())
-    if batch.turns is not None:  # its per-row tensors are checked as the fields are (turns.rewards: [N, K])
-        others += [batch.turns.count, batch.turns.rewards]
+    if batch.turns is not None:  # turns.rewards [N, K] is checked as a field would be (count is 1-D)
+        others.append(batch.turns.rewards)
     if any(isinstance(v, Tensor) and v.dim() >= 2 and v.shape[1] in (t, p + t) for v in others):
         return batch
     width = min(width, t)
