@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import re
+import sys
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -104,6 +105,15 @@ def add_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
         parameter.requires_grad_("lora_" in name)
     model.lora_settings = asdict(settings)  # plain data on the model: an export reads it back
     return model
+
+
+def is_adapted_linear(module: nn.Module) -> bool:
+    """Whether ``module`` is peft's LoRA ``Linear`` over a plain ``nn.Linear`` (what ``add_lora`` puts in place of a
+    projection): its forward is the base layer's plus its active adapters' (none while ``adapters_disabled``), so a
+    caller that runs it as a projection computes what the model's own forward does. ``False`` for a quantised base
+    layer or any other tuner; never imports peft."""
+    layer = sys.modules.get("peft.tuners.lora.layer")
+    return layer is not None and type(module) is layer.Linear and type(module.base_layer) is nn.Linear
 
 
 def _adapter_layers(model: nn.Module) -> list[nn.Module]:

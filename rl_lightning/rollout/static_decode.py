@@ -8,7 +8,8 @@ arithmetic itself on models of a few million parameters (``experiments/bench_vs_
 ``StaticDecoder`` runs the same arithmetic as ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` /
 ``MistralForCausalLM`` (pre-norm RMSNorm, rotary q/k from the model's own ``rotary_emb``, grouped-query
 attention, SiLU-gated MLP, optional q/k/v/o and MLP biases), reading the model's own parameters (nothing is
-copied or converted), with:
+copied or converted; a projection with LoRA adapters, ``models.adapters.add_lora``, runs through its own forward,
+adapters included), with:
 
 * one pre-allocated ``[layers, 2, rows, kv_heads, length, head_dim]`` cache written in place (no copy of
   the whole cache per token),
@@ -32,6 +33,8 @@ import math
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
+
+from rl_lightning.models.adapters import is_adapted_linear
 
 #: ``config.model_type`` values whose decoder layers have exactly the structure computed here
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
@@ -66,8 +69,9 @@ def unsupported_reason(model: nn.Module) -> str | None:
             hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")
         ) or not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
             return "a decoder layer without self_attn.{q,k,v,o}_proj and mlp.{gate,up,down}_proj"
-        if type(attn.q_proj) is not nn.Linear or type(mlp.gate_proj) is not nn.Linear:
-            return "projections that are not plain nn.Linear (quantised or adapted layers)"
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        if not all(type(p) is nn.Linear or is_adapted_linear(p) for p in projections):
+            return "projections that are neither plain nn.Linear nor LoRA adapters on one (quantised layers)"
     if model.training and getattr(model.config, "attention_dropout", 0.0):  # eval-mode arithmetic only
         return "attention dropout in training mode"
     return None
@@ -91,8 +95,8 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def _linear(x: Tensor, layer: nn.Module) -> Tensor:
-    """A projection: a plain ``nn.Linear`` read directly; any other layer (a LoRA-adapted one) by its own forward,
-    so that what it adds is never skipped."""
+    """A projection: a plain ``nn.Linear`` read directly; a LoRA-adapted one (``adapters.is_adapted_linear``) by its
+    own forward, so that what its adapters add (or, while they are disabled, do not add) is never skipped."""
     return F.linear(x, layer.weight, layer.bias) if type(layer) is nn.Linear else layer(x)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 from transformers import (
@@ -134,3 +136,42 @@ def test_sampling_with_the_static_cache_equals_the_general_loop(name):
     assert torch.equal(a.mask, b.mask)
     bound = decoder_logprob_bound(model, params.temperature, ids.shape[1] + params.max_tokens)
     assert (a.logprobs - b.logprobs).abs().max() <= bound  # the same tokens, other kernels: fp32 rounding
+
+
+def test_lora_adapted_projections_decode_through_their_adapters():
+    """A policy with LoRA adapters (``add_lora``, nonzero ``B`` as after training) decodes on ``StaticDecoder``:
+    the adapters' forward runs inside each projection, so the logits are the adapted model's (and, with the
+    adapters disabled, the base model's)."""
+    from rl_lightning.models.adapters import LoraSettings, add_lora, adapters_disabled
+
+    torch.manual_seed(0)
+    model = add_lora(LlamaForCausalLM(LlamaConfig(**SMALL, num_key_value_heads=2)), LoraSettings(rank=4)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.5)
+    assert supports(model), unsupported_reason(model)
+    ids, mask = _prompt_batch(model.config.vocab_size, [5, 2, 4])
+    token = torch.tensor([7, 8, 9])
+    attn = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+    logits = {}
+    for disabled in (False, True):
+        with torch.no_grad(), (adapters_disabled(model) if disabled else nullcontext()):
+            cache, pos = _hf_prefill(model, ids, mask)
+            ours = StaticDecoder.from_prefill(model, cache, mask, max_new_tokens=2).step(token, pos)
+            ref = model(input_ids=token.unsqueeze(-1), attention_mask=attn, position_ids=pos, use_cache=True,
+                        **{cache_argument(model): cache}).logits[:, -1]
+        assert (ours - ref).abs().max() < 1e-5
+        logits[disabled] = ours
+    assert (logits[False] - logits[True]).abs().max() > 1e-2  # the adapters change what is computed
+
+
+def test_quantised_projections_keep_the_general_loop():
+    """A projection that is a subclass of ``nn.Linear`` (as quantised layers are) is not read as a plain one."""
+    class Quantised(torch.nn.Linear):
+        pass
+
+    model = LlamaForCausalLM(LlamaConfig(**SMALL)).eval()
+    layer = model.model.layers[1].mlp
+    layer.down_proj = Quantised(layer.down_proj.in_features, layer.down_proj.out_features, bias=False)
+    assert not supports(model) and "quantised" in unsupported_reason(model)
