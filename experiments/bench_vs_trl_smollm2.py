@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 /path/to/venv-with-trl/bin/python experiments/bench_vs_trl_smollm2.py
         [--workloads full lora] [--steps 2] [--warmup 1] [--repeats 2] [--model DIR] [--json out.json]
-        [--prompts 8] [--group 8] [--max-new 32]
+        [--prompts 8] [--group 8] [--max-new 32] [--equal-work]
 
 The model is a local checkpoint directory (default ``~/.cache/rl_lightning/SmolLM2-135M-Instruct``, built by
 ``experiments/smollm2.py``; nothing is downloaded). TRL comes with the ``bench`` extra (``pip install -e
@@ -18,6 +18,10 @@ grad-norm clip 1.
 * ``full``: every weight trains.
 * ``lora``: LoRA rank 16, alpha 32, dropout 0 on ``q_proj, k_proj, v_proj, o_proj`` (ours:
   ``models.adapters.LoraSettings``; TRL: the same ``peft.LoraConfig`` as ``peft_config``).
+
+``--equal-work``: our update forwards every row, as TRL's does (``skip_inert_rows=False``: the rows of
+zero-variance groups, whose loss and gradient are exactly zero, are not skipped); each group's prompt still runs once
+in the update and the rollout (the shared prompt forward, one of the levers measured, not a change of the work).
 
 Prompts: ``ArithmeticWordTask`` word problems with ``configs/tasks/smollm2_words.yaml``'s settings (operands 2..20,
 ``+`` and ``-``, its held-out and validation splits never drawn, seed 1234), in stream order on both sides (TRL
@@ -51,11 +55,20 @@ is compared with the machine's fp32 matrix-product throughput measured in the sa
 count: ``torch.matmul`` of two 2048 x 2048 fp32 matrices (2 x 2048^3 FLOPs), best of 5 before and 5 after the
 training run. Printed: "update at X% of measured matmul throughput" (median over timed steps of the achieved
 FLOP/s, over the best matmul throughput of all our runs).
+
+Generation the same way: ``2 x ((N + N_adapter) x G + N_head x G_head)`` FLOPs a step, with ``G`` the positions
+through the decoder without gradient (the prompt forward's, and one per row per decode step: ``StaticDecoder``'s
+steps bypass the decoder module and are counted at the LM head, which they call with ``[rows, hidden]``) and
+``G_head`` the positions through the LM head without gradient, over ``perf/rollout_time`` (which also holds the
+sampling itself and the detokenisation). And the step's arithmetic floor: the update's and generation's FLOPs at the
+measured matmul throughput, as a fraction of TRL's median step -- the lowest ratio ours/TRL this estimate of our
+work allows in fp32.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import subprocess
@@ -103,25 +116,39 @@ def verifier() -> Any:
 
 class Counts(Work):
     """``bench_vs_trl_realistic.Work`` (positions through the decoder with gradient, and without it in forwards of
-    > 1 column) and the positions whose LM-head logits are computed with gradient."""
+    > 1 column), the positions whose LM-head logits are computed with gradient, and generation's positions (the
+    module docstring's ``G`` and ``G_head``)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.head = 0
+        self.head = self.generated = self.generated_head = 0
 
     def attach(self, model) -> None:
         import torch
 
         super().attach(model)
 
-        def hook(module, args):
+        def decoder_hook(module, args, kwargs):
+            x = kwargs.get("input_ids")
+            x = (args[0] if args else kwargs.get("inputs_embeds")) if x is None else x
+            if not torch.is_grad_enabled():
+                self.generated += x.shape[0] * x.shape[1]
+
+        def head_hook(module, args):
+            positions = args[0].shape[:-1].numel()
             if torch.is_grad_enabled():
-                self.head += args[0].shape[:-1].numel()
+                self.head += positions
+                return
+            self.generated_head += positions
+            if args[0].dim() == 2:  # a StaticDecoder step: its positions did not pass the decoder module
+                self.generated += positions
 
-        model.get_output_embeddings().register_forward_pre_hook(hook)
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        decoder.register_forward_pre_hook(decoder_hook, with_kwargs=True)
+        model.get_output_embeddings().register_forward_pre_hook(head_hook)
 
-    def snapshot(self) -> tuple[int, int, int]:
-        return self.grad, self.nograd, self.head
+    def snapshot(self) -> tuple[int, int, int, int, int]:
+        return self.grad, self.nograd, self.head, self.generated, self.generated_head
 
 
 def matmul_flops(n: int = MATMUL_N, repeats: int = MATMUL_REPEATS) -> float:
@@ -155,6 +182,11 @@ def update_flops(sizes: dict[str, int], lora: bool, positions: float, head_posit
     """The module docstring's estimate of one update's matrix-product FLOPs."""
     frozen = sizes["decoder"] * positions + sizes["head"] * head_positions
     return 4 * frozen + 6 * sizes["adapter"] * positions if lora else 6 * frozen
+
+
+def generation_flops(sizes: dict[str, int], positions: float, head_positions: float) -> float:
+    """The module docstring's estimate of one rollout's matrix-product FLOPs (forwards only)."""
+    return 2 * ((sizes["decoder"] + sizes["adapter"]) * positions + sizes["head"] * head_positions)
 
 
 # ---------------------------------------------------------------------------------------------- workers
@@ -215,7 +247,7 @@ def run_trl(workload: str, ckpt: Path, steps: int, warmup: int, prompts_per_step
 
 
 def run_ours(workload: str, ckpt: Path, steps: int, warmup: int, prompts_per_step: int, group: int,
-             max_new: int) -> dict:
+             max_new: int, equal_work: bool = False) -> dict:
     import torch
 
     from rl_lightning.algorithms import GRPO
@@ -230,7 +262,7 @@ def run_ours(workload: str, ckpt: Path, steps: int, warmup: int, prompts_per_ste
     counts = Counts()
     sizes: dict[str, int] = {}
     logged: list[dict[str, float]] = []
-    mark = [(0, 0, 0)]
+    mark = [(0, 0, 0, 0, 0)]
 
     def on_start(pl_module):
         counts.attach(pl_module.policy)
@@ -240,18 +272,19 @@ def run_ours(workload: str, ckpt: Path, steps: int, warmup: int, prompts_per_ste
     def on_batch(trainer, pl_module, batch):
         m = trainer.callback_metrics
         now = counts.snapshot()
-        grad, nograd, head = (a - b for a, b in zip(now, mark[-1]))
+        grad, nograd, head, generated, generated_head = (a - b for a, b in zip(now, mark[-1]))
         mark.append(now)
         logged.append({"tokens": float(batch.loss_mask.sum()), "skipped": float(m["train/skipped_rows"]),
                        "zero_std": float(m["train/zero_std_fraction"]), "reward": float(m["train/reward"]),
                        "prompt_tokens": float(batch.attention_mask[:, :batch.prompt_length].sum(1).float().mean()),
                        "update_time": float(m["perf/update_time"]), "rollout_time": float(m["perf/rollout_time"]),
-                       "grad": grad, "nograd": nograd, "head": head})
+                       "grad": grad, "nograd": nograd, "head": head, "generated": generated,
+                       "generated_head": generated_head})
 
     model_args = {k: v for k, v in cfg["model"]["init_args"].items() if k != "optimizer"}  # configs/grpo_smollm2.yaml
     model_args.update(model_name_or_path=str(ckpt), dtype="float32", num_iterations=1, num_minibatches=1,
                       clip_eps_low=0.2, clip_eps_high=0.2, scale_rewards=True, max_grad_norm=1.0,
-                      loss_aggregation="seq_mean_token_mean")
+                      loss_aggregation="seq_mean_token_mean", skip_inert_rows=not equal_work)
     if spec["lora"]:
         model_args["lora"] = LoraSettings(**LORA)
     module = GRPO(**model_args, optimizer=lambda p: torch.optim.AdamW(p, lr=spec["lr"], weight_decay=0.0))
@@ -266,6 +299,7 @@ def run_ours(workload: str, ckpt: Path, steps: int, warmup: int, prompts_per_ste
     n, per_step = len(logged), prompts_per_step * group
     timed = logged[warmup:]
     flops = [update_flops(sizes, spec["lora"], s["grad"], s["head"]) for s in timed]
+    generation = [generation_flops(sizes, s["generated"], s["generated_head"]) for s in timed]
     return {
         "step_times": times, "peak_rss_mb": common.peak_mb(), "steps": n, "threads": torch.get_num_threads(),
         "completion_tokens": statistics.mean(s["tokens"] for s in logged),
@@ -279,6 +313,8 @@ def run_ours(workload: str, ckpt: Path, steps: int, warmup: int, prompts_per_ste
         "trainable_params": sizes["trainable"], "sizes": sizes,
         "update_times": [s["update_time"] for s in timed], "rollout_times": [s["rollout_time"] for s in timed],
         "update_flops": flops, "update_flop_rates": [f / s["update_time"] for f, s in zip(flops, timed)],
+        "generation_flops": generation,
+        "generation_flop_rates": [f / s["rollout_time"] for f, s in zip(generation, timed)],
         "matmul_flops": matmul,
     }
 
@@ -293,12 +329,14 @@ def main() -> None:
     p.add_argument("--group", type=int, default=8, help="completions per prompt (G)")
     p.add_argument("--max-new", type=int, default=32, help="most new tokens per completion")
     common.add_run_options(p, "alternating ours/TRL runs per workload")
+    p.add_argument("--equal-work", action="store_true",
+                   help="our update forwards every row, as TRL's (no skipping of zero-variance groups' rows)")
     p.add_argument("--workload", choices=list(WORKLOADS), help=argparse.SUPPRESS)
     args = p.parse_args()
     ckpt = args.model.expanduser()
 
     if args.worker:  # a subprocess: train, print one JSON line
-        run = run_trl if args.worker == "trl" else run_ours
+        run = run_trl if args.worker == "trl" else functools.partial(run_ours, equal_work=args.equal_work)
         common.worker_report(lambda: run(args.workload, ckpt, args.steps, args.warmup, args.prompts, args.group,
                                          args.max_new))
         return
@@ -321,14 +359,15 @@ def main() -> None:
     print(f"code: {code.strip()}; uncommitted changes in: {', '.join(dirty) or 'none'}")
     print(f"model: {ckpt}; {args.prompts} prompts x G {args.group}, at most {args.max_new} new tokens; "
           f"{args.warmup} warm-up + {args.steps} timed steps per run; {args.repeats} alternating runs per framework "
-          "(ours first)")
+          f"(ours first); {'equal work (ours skips no row)' if args.equal_work else 'ours skips inert rows'}")
     rows, everything = [], {}
     started = time.perf_counter()
     for workload in args.workloads:
         runs = common.alternate(
             __file__, ("ours", "trl"), args.repeats,
             ["--workload", workload, "--model", str(ckpt), "--steps", str(args.steps), "--warmup", str(args.warmup),
-             "--prompts", str(args.prompts), "--group", str(args.group), "--max-new", str(args.max_new)],
+             "--prompts", str(args.prompts), "--group", str(args.group), "--max-new", str(args.max_new),
+             *(["--equal-work"] if args.equal_work else [])],
             workload,
             lambda r: f" ({' '.join(f'{t:.1f}' for t in r['step_times'])}), peak RSS {r['peak_rss_mb']:.0f} MB, "
                       f"load {os.getloadavg()[0]:.2f}")
@@ -347,7 +386,12 @@ def main() -> None:
         row["ours"]["update_flop_rate"] = statistics.median(f for r in ours for f in r["update_flop_rates"])
         row["ours"]["update_flops"] = statistics.median(f for r in ours for f in r["update_flops"])
         row["matmul_flops"] = max(r["matmul_flops"] for r in ours)
+        row["ours"]["generation_flop_rate"] = statistics.median(f for r in ours for f in r["generation_flop_rates"])
+        row["ours"]["generation_flops"] = statistics.median(f for r in ours for f in r["generation_flops"])
         row["matmul_fraction"] = row["ours"]["update_flop_rate"] / row["matmul_flops"]
+        row["generation_fraction"] = row["ours"]["generation_flop_rate"] / row["matmul_flops"]
+        row["floor_s"] = (row["ours"]["update_flops"] + row["ours"]["generation_flops"]) / row["matmul_flops"]
+        row["floor_ratio"] = row["floor_s"] / row["trl"]["s_per_step"]
         row["ratio"] = row["ours"]["s_per_step"] / row["trl"]["s_per_step"]
         rows.append(row)
         everything[workload] = runs
@@ -375,12 +419,16 @@ def main() -> None:
     print("in our workers, same thread count):")
     common.print_table(
         ["workload", "ours rollout s", "ours update s", "update GFLOP", "update GFLOP/s", "matmul GFLOP/s",
-         "of matmul"],
+         "of matmul", "generation GFLOP", "generation GFLOP/s", "of matmul"],
         ([r["workload"], f"{r['ours']['rollout_s']:.1f}", f"{r['ours']['update_s']:.1f}",
           f"{r['ours']['update_flops'] / 1e9:.0f}", f"{r['ours']['update_flop_rate'] / 1e9:.1f}",
-          f"{r['matmul_flops'] / 1e9:.1f}", f"{100 * r['matmul_fraction']:.0f}%"] for r in rows))
+          f"{r['matmul_flops'] / 1e9:.1f}", f"{100 * r['matmul_fraction']:.0f}%",
+          f"{r['ours']['generation_flops'] / 1e9:.0f}", f"{r['ours']['generation_flop_rate'] / 1e9:.1f}",
+          f"{100 * r['generation_fraction']:.0f}%"] for r in rows))
     for r in rows:
-        print(f"{r['workload']}: update at {100 * r['matmul_fraction']:.0f}% of measured matmul throughput")
+        print(f"{r['workload']}: update at {100 * r['matmul_fraction']:.0f}% and generation at "
+              f"{100 * r['generation_fraction']:.0f}% of measured matmul throughput; arithmetic floor of our step "
+              f"{r['floor_s']:.1f} s = {r['floor_ratio']:.2f} x TRL's step")
     common.write_json(args.json, rows, everything)
 
 
