@@ -226,3 +226,56 @@ def test_diverged_weights_stop_the_rollout_with_the_step_named(tmp_path):
     module = Diverged(model_name_or_path="embedded:arithmetic")
     with pytest.raises(FloatingPointError, match="rollout at step 1: sample: the model's next-token logits"):
         tiny_trainer(tmp_path, max_steps=3).fit(module, datamodule=tiny_datamodule())
+
+
+def _probabilities(rows: int, vocab: int, seed: int, zero_every: int = 0) -> torch.Tensor:
+    """Softmax rows at several sharpnesses (flat to near one-hot); every ``zero_every``-th entry 0 (a top-p cut)."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.tensor([0.1, 1.0, 4.0, 20.0]).repeat(rows // 4 + 1)[:rows].unsqueeze(1)
+    probs = torch.softmax(torch.randn(rows, vocab, generator=g) * scale, dim=-1)
+    if zero_every:
+        probs[:, ::zero_every] = 0
+    return probs
+
+
+@pytest.mark.parametrize("vocab, rows, zero_every", [
+    (2, 8, 0), (300, 16, 3), (1024, 16, 3), (5000, 16, 0), (49152, 8, 0), (49152, 3, 2), (300_000, 2, 0),
+])
+def test_categorical_draw_is_torch_multinomial(vocab, rows, zero_every):
+    """The same index as ``torch.multinomial(p, 1)`` for the same generator state, on vocabularies from 2 entries
+    (under ``DRAW_MIN_VOCAB``: multinomial itself) to more than a chunk (``DRAW_CHUNK``: rows then go several at a
+    time, or one row spans it), and the generator ends
+    in the same state (the next draw is the same too). 20 seeds x ``rows`` draws each: a wrong exponential, stream
+    order or margin shows as a different index in some of them."""
+    from rl_lightning.rollout.generation import categorical_draw
+
+    for seed in range(20):
+        probs = _probabilities(rows, vocab, seed, zero_every)
+        ours, theirs = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+        drawn = categorical_draw(probs, ours)
+        assert torch.equal(drawn, torch.multinomial(probs, 1, generator=theirs).squeeze(-1))
+        assert torch.equal(ours.get_state(), theirs.get_state())
+        if zero_every:
+            assert not bool((drawn % zero_every == 0).any())  # never an entry of probability 0
+
+
+def test_categorical_draw_uses_the_global_generator_without_one():
+    from rl_lightning.rollout.generation import categorical_draw
+
+    probs = _probabilities(8, 5000, seed=3)
+    torch.manual_seed(11)
+    drawn = categorical_draw(probs)
+    torch.manual_seed(11)
+    assert torch.equal(drawn, torch.multinomial(probs, 1).squeeze(-1))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -0.1])
+def test_categorical_draw_refuses_what_multinomial_refuses(bad):
+    from rl_lightning.rollout.generation import categorical_draw
+
+    probs = _probabilities(4, 2000, seed=0)
+    probs[2, 7] = bad
+    with pytest.raises(RuntimeError, match="inf, nan or element < 0"):
+        categorical_draw(probs, torch.Generator().manual_seed(0))
+    with pytest.raises(RuntimeError):
+        torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(0))
