@@ -13,7 +13,7 @@ A study is a folder with a ``study.yaml`` (docs/results.md#protocol):
     last_k: 3                   # the headline: the mean of each run's last k evaluations
     baseline: grpo              # the arm every other is paired with (an arm may name its own: matched baselines)
     task: [configs/tasks/long_sum.yaml]     # stacked after every arm's configs (optional)
-    setup: {kernel: avx2, threads: 1}       # the pinned setup (these are the defaults)
+    setup: {kernel: avx2, threads: 1, venv: .venv}  # the pinned setup (these are the defaults)
     arms:
       grpo: {configs: [configs/grpo.yaml]}
       ppo: {configs: [configs/ppo.yaml], baseline: grpo_ppo_shape}
@@ -23,11 +23,14 @@ A study is a folder with a ``study.yaml`` (docs/results.md#protocol):
       grpo: lr in {5e-5, 1e-4, 2e-4}, 3 seeds x 100 steps on validation (study long_sum_tune)
 
 **Pinned setup.** The first ``run`` records in ``setup.json`` the commit, the git trees of ``rl_lightning/`` and
-``configs/`` (the code the runs ran), the kernel set, the thread count, the CPU model, torch and Python. Every run
+``configs/`` (the code the runs ran), the kernel set, the thread count, the virtual environment every run uses
+(``venv``, relative to the checkout: ``.venv-vllm`` for a study with a vLLM arm, so that every arm has the same
+torch and transformers) with the versions of Python and ``RECORDED_PACKAGES`` in it, and the CPU model. Every run
 gets the kernel set's environment (``PINS``: PyTorch's own kernels by ``ATEN_CPU_CAPABILITY``, MKL's by
 ``MKL_CBWR`` and ``MKL_ENABLE_INSTRUCTIONS``, oneDNN's by ``ONEDNN_MAX_CPU_ISA``) and the thread count
 (``OMP_NUM_THREADS``, ``MKL_NUM_THREADS``). A later ``run`` with other code (a changed tree, or uncommitted changes
-under those folders), another kernel set or thread count is refused: one study, one setup. ``avx2`` is the default
+under those folders), another kernel set, thread count or virtual environment is refused: one study, one
+setup. ``avx2`` is the default
 because every x86 machine of this kind has it (AVX-512 machines run its kernels too). The CPU model is recorded
 per run but not enforced: the pins do not make two CPU models agree bit for bit (an Intel Xeon and an AMD EPYC
 differ from step 0 in the last digits), yet a study continued over sessions may land on another model, and each
@@ -69,7 +72,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from study_stats import Interval, Paired, mean_ci, paired_items, paired_seeds, verdict  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-BIN = REPO / ".venv" / "bin"
+#: the virtual environment a study's runs use unless its ``setup.venv`` names another (relative to the checkout)
+DEFAULT_VENV = ".venv"
+BIN = REPO / DEFAULT_VENV / "bin"  # the default environment's (experiments/bench_kernels.py runs it)
 CODE_TREES = ("rl_lightning", "configs")
 #: the environment of each kernel set: PyTorch's vectorised kernels, MKL's BLAS path and its conditional
 #: numerical reproducibility mode, oneDNN's instruction set
@@ -116,6 +121,12 @@ class Study:
     arms: dict[str, Arm]
     tuned: dict[str, str] = field(default_factory=dict)
     runs_root: Path = REPO / "runs" / "studies"  # where the runs themselves live (checkpoints, logs)
+    venv: str = DEFAULT_VENV  # the virtual environment of every run (setup.venv; part of the pinned setup)
+
+    @property
+    def bin(self) -> Path:
+        """The ``bin`` folder of the study's virtual environment."""
+        return REPO / self.venv / "bin"
 
     @property
     def name(self) -> str:
@@ -159,16 +170,23 @@ def load_study(folder: Path, check_configs: bool = True) -> Study:
     if split not in ("test", "validation"):
         raise StudyError(f"{path}: split: {split!r} is not 'test' or 'validation'")
     setup = raw.get("setup") or {}
+    unknown = set(setup) - {"kernel", "threads", "venv"}
+    if unknown:
+        raise StudyError(f"{path}: setup: unknown field(s) {', '.join(sorted(unknown))} (known: kernel, threads, venv)")
     kernel, threads = str(setup.get("kernel", "avx2")), int(setup.get("threads", 1))
     if kernel not in PINS:
         raise StudyError(f"{path}: setup.kernel: {kernel!r} is not one of {', '.join(PINS)}")
+    venv = str(setup.get("venv", DEFAULT_VENV))
+    if check_configs and not (REPO / venv / "bin" / "rl-lightning").is_file():
+        raise StudyError(f"{path}: setup.venv: no {venv}/bin/rl-lightning in {REPO} (./install.sh makes .venv, "
+                         "./install_vllm.sh .venv-vllm)")
     baseline = raw.get("baseline") or next(iter(arms))
     for arm in [baseline, *(a.baseline for a in arms.values() if a.baseline)]:
         if arm not in arms:
             raise StudyError(f"{path}: baseline {arm!r} is not an arm ({', '.join(arms)})")
     seeds = [int(s) for s in raw.get("seeds", [0, 1, 2, 3, 4])]
     return Study(folder, str(raw.get("title", folder.name)), split, seeds, int(raw.get("last_k", 3)), baseline,
-                 kernel, threads, arms, {str(k): str(v) for k, v in (raw.get("tuned") or {}).items()})
+                 kernel, threads, arms, {str(k): str(v) for k, v in (raw.get("tuned") or {}).items()}, venv=venv)
 
 
 # ============================================================================================ the pinned setup
@@ -186,16 +204,36 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def current_setup(study: Study) -> dict[str, Any]:
-    import torch
+#: the packages whose versions a study records (those installed in its virtual environment)
+RECORDED_PACKAGES = ("torch", "transformers", "lightning", "peft", "vllm")
 
+
+def venv_versions(study: Study) -> dict[str, str]:
+    """Python's and ``RECORDED_PACKAGES``' versions in the study's virtual environment (asked of its interpreter:
+    the runner itself may run in another)."""
+    probe = ("import importlib.metadata as m, json, platform\n"
+             f"names = {list(RECORDED_PACKAGES)!r}\n"
+             "found = {}\n"
+             "for name in names:\n"
+             "    try:\n"
+             "        found[name] = m.version(name)\n"
+             "    except m.PackageNotFoundError:\n"
+             "        pass\n"
+             "print(json.dumps({'python': platform.python_version(), **found}))")
+    out = subprocess.run([str(study.bin / "python"), "-c", probe], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+def current_setup(study: Study) -> dict[str, Any]:
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    versions = venv_versions(study)
     return {
         "commit": _git("rev-parse", "HEAD"),
         "trees": {tree: _git("rev-parse", f"HEAD:{tree}") for tree in CODE_TREES},
-        "kernel": study.kernel, "pins": PINS[study.kernel], "threads": study.threads,
+        "kernel": study.kernel, "pins": PINS[study.kernel], "threads": study.threads, "venv": study.venv,
         "cpu": cpu_model(), "cpu_avx512": " avx512f" in flags, "cpu_amx": " amx_bf16" in flags,
-        "torch": torch.__version__, "python": platform.python_version(),
+        "torch": versions.get("torch"), "python": versions["python"],
+        "packages": {k: v for k, v in versions.items() if k != "python"},
         "recorded": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
     }
 
@@ -211,7 +249,9 @@ def check_setup(study: Study, restart: bool = False, allow_dirty: bool = False) 
     path = study.folder / "setup.json"
     if path.is_file() and not restart:
         then = json.loads(path.read_text())
-        differ = [key for key in ("trees", "kernel", "threads", "uncommitted_changes") if then.get(key) != now[key]]
+        then.setdefault("venv", DEFAULT_VENV)  # recorded since setup.venv exists; every earlier study used .venv
+        differ = [key for key in ("trees", "kernel", "threads", "venv", "uncommitted_changes")
+                  if then.get(key) != now[key]]
         if differ:
             raise StudyError(f"{path}: the study was made with {', '.join(f'{k}={then.get(k)}' for k in differ)}; "
                              f"this run would use {', '.join(f'{k}={now[k]}' for k in differ)}. One study, one "
@@ -250,7 +290,7 @@ def fit_args(study: Study, arm: Arm, seed: int) -> list[str]:
 
 def resolved_config(study: Study, arm: Arm) -> dict[str, Any]:
     """The arm's fully resolved config (``--print_config``) for seed 0."""
-    out = subprocess.run([str(BIN / "rl-lightning"), "fit", *fit_args(study, arm, 0), "--print_config"],
+    out = subprocess.run([str(study.bin / "rl-lightning"), "fit", *fit_args(study, arm, 0), "--print_config"],
                          cwd=REPO, capture_output=True, text=True, env=run_env(study))
     if out.returncode != 0:
         lines = [line for line in out.stderr.strip().splitlines() if "RL_LIGHTNING_TRACEBACK" not in line]
@@ -304,7 +344,7 @@ def is_exported(study: Study, arm: str, seed: int, digest: str) -> bool:
 def run_one(study: Study, arm: Arm, seed: int, digest: str, max_steps: int) -> None:
     directory = run_dir(study, arm.name, seed, digest)
     resume = (directory / "checkpoints" / "last.ckpt").is_file()
-    args = [str(BIN / "rl-lightning"), "fit", *fit_args(study, arm, seed),
+    args = [str(study.bin / "rl-lightning"), "fit", *fit_args(study, arm, seed),
             "--trainer.logger.init_args.save_dir", str(run_root(study)),
             "--trainer.logger.init_args.name", arm.name, "--trainer.logger.init_args.version", directory.name]
     if resume:
@@ -564,6 +604,15 @@ def _other_cpus(setup: dict[str, Any], runs: dict[str, list[RunData]]) -> list[s
     return [f"- **runs made on another CPU model** than {setup['cpu']}: {', '.join(other)}"] if other else []
 
 
+def _versions_line(setup: dict[str, Any]) -> str:
+    """The environment's versions (``packages``, recorded since ``setup.venv``; torch and Python before) and the
+    virtual environment when it is not ``.venv``."""
+    packages = setup.get("packages") or {"torch": setup["torch"]}
+    venv = setup.get("venv", DEFAULT_VENV)
+    return (", ".join(f"{name} {version}" for name, version in packages.items()) + f", Python {setup['python']}"
+            + (f"; every run in `{venv}`" if venv != DEFAULT_VENV else ""))
+
+
 def report_lines(study: Study, runs: dict[str, list[RunData]], setup: dict[str, Any], plot: str | None) -> list[str]:
     k = study.last_k
     splits = sorted({r.split for group in runs.values() for r in group})
@@ -576,7 +625,7 @@ def report_lines(study: Study, runs: dict[str, list[RunData]], setup: dict[str, 
              f"- kernel set `{setup['kernel']}` (" + ", ".join(f"{k_}={v}" for k_, v in setup["pins"].items()) +
              f"), {setup['threads']} thread(s)",
              f"- CPU: {setup['cpu']} (AVX-512: {'yes' if setup['cpu_avx512'] else 'no'}, AMX: "
-             f"{'yes' if setup['cpu_amx'] else 'no'}); torch {setup['torch']}, Python {setup['python']}",
+             f"{'yes' if setup['cpu_amx'] else 'no'}); " + _versions_line(setup),
              *(["- **uncommitted code**: a trial, not a pinned study"] if setup.get("uncommitted_changes") else []),
              *_other_cpus(setup, runs),
              f"- `val/reward` is measured on the **{' / '.join(splits)}** split (greedy, one response per item); "

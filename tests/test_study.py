@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
@@ -93,6 +94,8 @@ def _write_study(folder: Path, **fields) -> Path:
     ({"baseline": "c"}, "baseline 'c' is not an arm"),
     ({"split": "train"}, "split: 'train'"),
     ({"setup": {"kernel": "sse"}}, "setup.kernel"),
+    ({"setup": {"venv": ".venv-nope"}}, "setup.venv: no .venv-nope/bin/rl-lightning"),
+    ({"setup": {"colour": "red"}}, "setup: unknown field(s) colour"),
     ({"arms": {"a": {"configs": ["configs/grpo.yaml"], "task_after": []}}}, "arms.a: unknown field(s) task_after"),
 ])
 def test_a_bad_study_file_is_refused_in_one_line(tmp_path, capsys, fields, message):
@@ -237,3 +240,27 @@ def test_a_stopped_study_resumes_to_the_straight_runs_numbers(tmp_path):
 
     assert numbers(stopped) == numbers(straight)
     assert "Incomplete" not in (stopped / "README.md").read_text()
+
+
+def test_the_setup_records_its_virtual_environment_and_refuses_another(tmp_path, capsys):
+    """``setup.venv`` (default ``.venv``) is part of the pinned setup: the versions recorded are its interpreter's,
+    a setup recorded before the field existed counts as ``.venv``, and another environment is refused."""
+    import lightning
+
+    study = S.load_study(_write_study(tmp_path / "s"))
+    assert study.venv == ".venv" and study.bin == S.REPO / ".venv" / "bin"
+    setup = S.check_setup(study, allow_dirty=True)
+    assert setup["venv"] == ".venv" and setup["packages"]["torch"] == torch.__version__
+    assert setup["packages"]["lightning"] == lightning.__version__ and setup["torch"] == torch.__version__
+    older = {k: v for k, v in setup.items() if k not in ("venv", "packages")}  # a setup.json of an earlier study
+    (study.folder / "setup.json").write_text(json.dumps(older))
+    assert S.check_setup(study, allow_dirty=True) == {**older, "venv": ".venv"}
+    (tmp_path / "other").symlink_to(S.REPO / ".venv")  # the same interpreter under another name
+    study.venv = str(tmp_path / "other")
+    with pytest.raises(SystemExit) as err:
+        S.check_setup(study, allow_dirty=True)
+    message = capsys.readouterr().err
+    assert err.value.code == 2 and f"venv=.venv; this run would use venv={tmp_path / 'other'}" in message
+    line = S._versions_line({**setup, "venv": ".venv-vllm", "packages": {"torch": "2.13.0", "vllm": "0.32.0"}})
+    assert line == "torch 2.13.0, vllm 0.32.0, Python " + setup["python"] + "; every run in `.venv-vllm`"
+    assert S._versions_line(older) == f"torch {torch.__version__}, Python {setup['python']}"
