@@ -1,11 +1,17 @@
 """The sampler's draw: ``torch.multinomial(p, 1)`` against ``rollout.generation.categorical_draw`` (the same index).
 
     OMP_NUM_THREADS=1 .venv/bin/python experiments/bench_draw.py [--repeats 20]
+    OMP_NUM_THREADS=1 .venv/bin/python experiments/bench_draw.py --rollout ~/.cache/rl_lightning/SmolLM2-135M-Instruct
 
 One decode step draws one token per running row from a ``[rows, vocab]`` table of probabilities. For each shape it
 times both draws alternately on the same probabilities and generator state (so their indices must agree, which the
 script checks) and prints the median milliseconds and their ratio. The shapes: the embedded tasks' vocabularies (99
 and 1,000 entries) and SmolLM2's 49,152, at the row counts of this project's configs (32 and 64 rows a step).
+
+``--rollout DIR`` times whole rollouts instead: the local checkpoint ``DIR`` samples ``--rows`` rows (``--rows / 8``
+word problems in its chat template, 8 rows each) of at most ``--tokens`` new tokens with ``KVCacheEngine``'s loop,
+alternately with ``categorical_draw`` and with ``torch.multinomial`` in its place, ``--repeats`` pairs with the same
+seed per pair (the script checks that each pair drew the same tokens and log-probs).
 """
 
 from __future__ import annotations
@@ -14,17 +20,67 @@ import argparse
 import statistics
 import time
 
+from pathlib import Path
+
 import torch
 
+from rl_lightning.rollout import generation
 from rl_lightning.rollout.generation import categorical_draw
 
 SHAPES = [(64, 99), (128, 1000), (32, 49152), (64, 49152)]
 
 
+def rollouts(model_dir: Path, rows: int, tokens: int, repeats: int) -> None:
+    """Whole rollouts, alternating the two draws (the module docstring's ``--rollout``)."""
+    from rl_lightning.models.policy import load_policy
+    from rl_lightning.rollout import SamplingParams
+    from rl_lightning.rollout.sessions import left_pad
+    from rl_lightning.rollout.generation import DecodeOptions, sample
+
+    model, tok = load_policy(str(model_dir))
+    model.eval()
+    texts = [f"Tom has {a} apples and buys {b} more. How many apples does he have now? Answer with a number."
+             for a, b in zip(range(3, 3 + rows // 8), range(5, 5 + rows // 8))]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True)
+               for t in texts]
+    prompts = [p if isinstance(p, list) else p["input_ids"] for p in prompts]
+    ids, mask = left_pad([p for p in prompts for _ in range(8)], tok.pad_token_id, "cpu")
+    params = SamplingParams(max_tokens=tokens, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    draws = {"categorical_draw": categorical_draw,
+             "multinomial": lambda p, g=None: torch.multinomial(p, 1, generator=g).squeeze(-1)}
+    times: dict[str, list[float]] = {name: [] for name in draws}
+    print(f"{model_dir}: {ids.shape[0]} rows, prompts of {ids.shape[1]} tokens, at most {tokens} new tokens; "
+          f"{repeats} alternating pairs")
+    for repeat in range(repeats):
+        out = {}
+        for name, fn in draws.items():
+            generation.categorical_draw = fn
+            try:
+                start = time.perf_counter()
+                out[name] = sample(model, ids, mask, params, torch.Generator().manual_seed(repeat), None,
+                                   DecodeOptions())
+                times[name].append(time.perf_counter() - start)
+            finally:
+                generation.categorical_draw = categorical_draw
+        a, b = out["categorical_draw"], out["multinomial"]
+        if not (torch.equal(a.response_ids, b.response_ids) and torch.equal(a.logprobs, b.logprobs)):
+            raise SystemExit(f"pair {repeat}: the two draws gave different rollouts")
+        print(f"  pair {repeat}: categorical_draw {times['categorical_draw'][-1]:.2f} s, multinomial "
+              f"{times['multinomial'][-1]:.2f} s, {int(a.mask.sum())} tokens")
+    a, b = statistics.median(times["categorical_draw"]), statistics.median(times["multinomial"])
+    print(f"median: categorical_draw {a:.2f} s, multinomial {b:.2f} s, ratio {a / b:.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=20, help="timed draws per method and shape")
+    parser.add_argument("--repeats", type=int, default=20, help="timed draws (or rollout pairs) per method and shape")
+    parser.add_argument("--rollout", type=Path, help="a local checkpoint directory: time whole rollouts on it")
+    parser.add_argument("--rows", type=int, default=32, help="--rollout: rows (8 per prompt)")
+    parser.add_argument("--tokens", type=int, default=32, help="--rollout: most new tokens per row")
     args = parser.parse_args()
+    if args.rollout is not None:
+        rollouts(args.rollout.expanduser(), args.rows, args.tokens, args.repeats)
+        return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); median of {args.repeats} alternating draws")
     print("| rows x vocab | torch.multinomial ms | categorical_draw ms | ratio |")
     print("| --- | --- | --- | --- |")
