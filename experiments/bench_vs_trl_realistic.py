@@ -120,10 +120,11 @@ def reward(name: str, completion: str, answer: str) -> float:
 
 
 class Work:
-    """Counts positions through a decoder's forward: with gradient, and without it in forwards of > 1 column."""
+    """Counts positions through a decoder's forward: with gradient, and without it in forwards of > 1 column
+    (``nograd``) and of any width (``nograd_all``)."""
 
     def __init__(self) -> None:
-        self.grad = self.nograd = 0
+        self.grad = self.nograd = self.nograd_all = 0
 
     def attach(self, model) -> None:  # noqa: ANN001
         import torch
@@ -137,7 +138,9 @@ class Work:
             n, t = x.shape[0], x.shape[1]
             if torch.is_grad_enabled():
                 self.grad += n * t
-            elif t > 1:
+                return
+            self.nograd_all += n * t
+            if t > 1:
                 self.nograd += n * t
 
         decoder.register_forward_pre_hook(hook, with_kwargs=True)

@@ -121,18 +121,12 @@ class Counts(Work):
 
     def __init__(self) -> None:
         super().__init__()
-        self.head = self.generated = self.generated_head = 0
+        self.head = self.static_steps = self.generated_head = 0
 
     def attach(self, model) -> None:
         import torch
 
         super().attach(model)
-
-        def decoder_hook(module, args, kwargs):
-            x = kwargs.get("input_ids")
-            x = (args[0] if args else kwargs.get("inputs_embeds")) if x is None else x
-            if not torch.is_grad_enabled():
-                self.generated += x.shape[0] * x.shape[1]
 
         def head_hook(module, args):
             positions = args[0].shape[:-1].numel()
@@ -141,14 +135,12 @@ class Counts(Work):
                 return
             self.generated_head += positions
             if args[0].dim() == 2:  # a StaticDecoder step: its positions did not pass the decoder module
-                self.generated += positions
+                self.static_steps += positions
 
-        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-        decoder.register_forward_pre_hook(decoder_hook, with_kwargs=True)
         model.get_output_embeddings().register_forward_pre_hook(head_hook)
 
     def snapshot(self) -> tuple[int, int, int, int, int]:
-        return self.grad, self.nograd, self.head, self.generated, self.generated_head
+        return self.grad, self.nograd, self.head, self.nograd_all + self.static_steps, self.generated_head
 
 
 def matmul_flops(n: int = MATMUL_N, repeats: int = MATMUL_REPEATS) -> float:

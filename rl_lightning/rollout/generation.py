@@ -104,6 +104,8 @@ def returned_cache(out: object) -> object:
 DRAW_MIN_VOCAB = 1024
 #: relative slack of ``categorical_draw``'s estimate of every ratio (its error is a few float32 ulps, under 1e-6)
 DRAW_MARGIN = 1e-5
+#: entries per ``categorical_draw`` chunk (about 1 MB of double temporaries)
+DRAW_CHUNK = 1 << 17
 
 
 def categorical_draw(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
@@ -129,12 +131,8 @@ def categorical_draw(probs: Tensor, generator: torch.Generator | None = None) ->
         return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     if not bool(torch.isfinite(probs.sum()) and probs.min() >= 0):
         raise RuntimeError("categorical_draw: probability tensor contains either inf, nan or element < 0")
-    step = max(1, DRAW_CHUNK // max(1, probs.shape[1]))  # rows at a time: the double temporaries stay in cache
+    step = max(1, DRAW_CHUNK // probs.shape[1])  # rows at a time: the double temporaries stay in cache
     return torch.cat([_race(probs[start:start + step], generator) for start in range(0, probs.shape[0], step)])
-
-
-#: entries per ``categorical_draw`` chunk (about 1 MB of double temporaries)
-DRAW_CHUNK = 1 << 17
 
 
 def _race(probs: Tensor, generator: torch.Generator | None) -> Tensor:
