@@ -1,6 +1,6 @@
 """Wall clock per training step with asynchronous rollouts (SAO's producer) against synchronous ones.
 
-    python experiments/bench_async.py [--steps 20] [--repeats 2] [--config configs/sao.yaml]
+    .venv/bin/python experiments/bench_async.py [--steps 20] [--repeats 2] [--config configs/sao.yaml]
 
 Each setting is a real ``rl-lightning fit`` of ``--config`` (default: SAO on guess-the-number, 128 episodes per
 step) for ``--steps`` steps without validation and without the critic warm-up (every step is a full actor and

@@ -1,7 +1,7 @@
 """Next-token log-probs over candidate ids at given contexts: ``candidate_logprobs`` (one forward row per context)
 against the ``score_sequences`` path (one row per context and candidate; issue 22, item 3).
 
-    OMP_NUM_THREADS=1 python experiments/bench_candidates.py [--contexts 64] [--candidates 11] [--repeats 20]
+    OMP_NUM_THREADS=1 .venv/bin/python experiments/bench_candidates.py [--contexts 64] [--candidates 11] [--repeats 20]
 
 The embedded guess model (1.1M parameters, 64 positions), contexts of guess-the-number episodes (14-30 tokens) and
 the 11 value tokens "0".."9" + EOS; timed with the gradient (forward + backward of the log-probs' sum, as a critic

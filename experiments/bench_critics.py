@@ -1,7 +1,8 @@
 """Cost per training step of TEMPO, LVRL and AC2 against GRPO, on the tasks and presets of their study
 (``experiments/early_critics.sh``).
 
-    OMP_NUM_THREADS=1 python experiments/bench_critics.py [--steps 12] [--warmup 8] [--repeats 2] [--tasks guess ...]
+    OMP_NUM_THREADS=1 .venv/bin/python experiments/bench_critics.py [--steps 12] [--warmup 8] [--repeats 2]
+        [--tasks guess ...]
 
 Each workload is ``rl-lightning fit`` with the method's config, the task preset and the method's preset for the
 task (the study's stack), for ``warmup + steps`` steps in a subprocess of its own, from the task's warm start;

@@ -1,6 +1,7 @@
 """Multi-turn rollout throughput: the KV cache carried over from turn to turn vs re-running the history.
 
-    python experiments/bench_episodes.py [--episodes 64] [--turns 6] [--turn-tokens 8] [--obs-tokens 8] [--repeats 5]
+    .venv/bin/python experiments/bench_episodes.py [--episodes 64] [--turns 6] [--turn-tokens 8] [--obs-tokens 8]
+        [--repeats 5]
 
 Episodes of a scripted environment (every turn answered by a fixed-length observation, never ending before
 ``--turns``) are sampled from a random tiny Llama (hidden 128 and 384, the embedded default's architecture and

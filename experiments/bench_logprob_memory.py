@@ -28,7 +28,7 @@ between variants. Inside it:
 Both are expressed in "copies": one copy = ``B·T·V·4`` bytes, the size of a float32 ``[B, T, V]`` tensor.
 The values (log-probs, entropy) and the gradient w.r.t. ``hidden`` are compared with the naive variant's.
 
-Run: ``OMP_NUM_THREADS=1 python experiments/bench_logprob_memory.py`` (about 10-20 min on 2 CPU cores;
+Run: ``OMP_NUM_THREADS=1 .venv/bin/python experiments/bench_logprob_memory.py`` (about 10-20 min on 2 CPU cores;
 ``--batch 4 --entropy on`` for a quick run).
 """
 

@@ -1,7 +1,7 @@
 """Update and generation time with and without the shared prompt forward (issue 14, item 1).
 
-    OMP_NUM_THREADS=1 python experiments/bench_shared_prefix.py [--repeats 5] [--long-repeats 3] [--long-prompts 8]
-                                                               [--skip-long]
+    OMP_NUM_THREADS=1 .venv/bin/python experiments/bench_shared_prefix.py [--repeats 5] [--long-repeats 3]
+        [--long-prompts 8] [--skip-long]
 
 Two workloads, G = 8 responses per prompt:
 

@@ -1,6 +1,6 @@
 """Update time with and without skipping inert rows, and with and without length bucketing.
 
-    python experiments/bench_skipping.py [--steps 4] [--repeats 5] [--micro-batch-size 32]
+    .venv/bin/python experiments/bench_skipping.py [--steps 4] [--repeats 5] [--micro-batch-size 32]
 
 Two workloads, both with the shipped GRPO config's model and batch shape (``configs/grpo.yaml``: the embedded
 warm start, 16 prompts x G = 8 = 128 rows, seq-mean-token-mean, AdamW, grad clip 1):

@@ -1,6 +1,6 @@
 """TRPO update time with the Gauss-Newton Fisher products (the default) against the double-backward ones.
 
-    OMP_NUM_THREADS=1 python experiments/bench_trpo.py [--batches 2] [--repeats 3]
+    OMP_NUM_THREADS=1 .venv/bin/python experiments/bench_trpo.py [--batches 2] [--repeats 3]
 
 The workload is ``configs/trpo.yaml``'s: its model (the embedded warm start), its TRPO settings (δ, damping,
 ``cg_iters``, line search, ``fisher_subsample``) and real rollouts of its task and sampling settings (16 prompts

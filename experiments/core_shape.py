@@ -1,8 +1,8 @@
 """The shape of the core, for a redesign's before/after: lines per file, the hooks each method overrides, and
 the import structure.
 
-    python experiments/core_shape.py                       # this checkout
-    PYTHONPATH=<other checkout> python experiments/core_shape.py
+    .venv/bin/python experiments/core_shape.py                       # this checkout
+    PYTHONPATH=<other checkout> .venv/bin/python experiments/core_shape.py
 
 For every algorithm exported by ``rl_lightning.algorithms``: its base classes up to ``RLModule`` (the depth),
 and each name its class and its ancestors below ``RLModule`` define that ``RLModule`` (or

@@ -2,9 +2,9 @@
 
 The guard rail of a behaviour-preserving refactor: run it before and after, compare the two JSON files.
 
-    python experiments/param_digest.py --out before.json                # every config, 2 steps each
-    python experiments/param_digest.py --out after.json --compare before.json
-    python experiments/param_digest.py --configs configs/grpo.yaml      # one config
+    .venv/bin/python experiments/param_digest.py --out before.json                # every config, 2 steps each
+    .venv/bin/python experiments/param_digest.py --out after.json --compare before.json
+    .venv/bin/python experiments/param_digest.py --configs configs/grpo.yaml      # one config
 
 A config ``a.yaml+b.yaml`` stacks ``b`` after ``a`` (a task preset after a method). Each config runs in its own
 process with one thread (the same seed gives the same run bitwise), for ``--steps`` rollout steps with the config's
@@ -14,7 +14,7 @@ critic, in ``named_parameters`` order) and every scalar logged at every step, wr
 runs compare bit for bit. ``--compare`` prints each config whose parameters or numbers differ (with the largest
 absolute difference per metric) and exits 1 if any does.
 
-Run against another checkout's code with ``PYTHONPATH=<checkout> python experiments/param_digest.py ...``
+Run against another checkout's code with ``PYTHONPATH=<checkout> .venv/bin/python experiments/param_digest.py ...``
 (the script prints which ``rl_lightning`` it imported).
 """
 

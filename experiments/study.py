@@ -1,9 +1,9 @@
 """One protocol for every comparison: run a study's arms on a pinned setup, export each run's CSVs, write its report.
 
-    python experiments/study.py run experiments/studies/<study>            # every arm x seed; resumes
-    python experiments/study.py run experiments/studies/<study> --arms grpo --seeds 0 1
-    python experiments/study.py status experiments/studies/<study>         # what is done, running, missing
-    python experiments/study.py report experiments/studies/<study>         # README.md + plot from the CSVs
+    .venv/bin/python experiments/study.py run experiments/studies/<study>            # every arm x seed; resumes
+    .venv/bin/python experiments/study.py run experiments/studies/<study> --arms grpo --seeds 0 1
+    .venv/bin/python experiments/study.py status experiments/studies/<study>         # what is done, running, missing
+    .venv/bin/python experiments/study.py report experiments/studies/<study>         # README.md + plot from the CSVs
 
 A study is a folder with a ``study.yaml`` (docs/results.md#protocol):
 

@@ -27,11 +27,11 @@ the script rewinds to the previous evaluation's weights and optimizer state and 
 stops at the first step in range. Only if a single step jumps past ``--max-accuracy`` (or with
 ``--no-refine``) does it fail; then rerun with a smaller ``--eval-every`` or ``--lr``.
 
-Reproduce (from anywhere; relative ``--out`` paths are taken from the repository root)::
+Reproduce (from the repository root; relative ``--out`` paths are taken from it)::
 
-    python experiments/warm_start.py          # embedded:arithmetic (2-digit addition, held-out accuracy 0.346)
-    python experiments/warm_start.py --num-digits 3 --target-accuracy 0.15 --max-accuracy 0.25 --max-steps 6000 \
-        --out rl_lightning/models/assets/arithmetic_hard    # embedded:arithmetic_hard (3-digit +, 0.200)
+    .venv/bin/python experiments/warm_start.py   # embedded:arithmetic (2-digit addition, held-out accuracy 0.346)
+    .venv/bin/python experiments/warm_start.py --num-digits 3 --target-accuracy 0.15 --max-accuracy 0.25 \
+        --max-steps 6000 --out rl_lightning/models/assets/arithmetic_hard  # embedded:arithmetic_hard (3-digit, 0.200)
 """
 
 from __future__ import annotations

@@ -48,9 +48,9 @@ learned, only the choice to call is left to RL) is kept. With the defaults that 
 success 0.32 (24 tool calls, 22 right; 76 direct answers, 10 right), sampled success 0.20 (tool-call rate 0.22).
 Everything runs on CPU and is deterministic for a given ``--seed``.
 
-Reproduce (from anywhere)::
+Reproduce (from the repository root)::
 
-    python experiments/warm_start_calculator.py
+    .venv/bin/python experiments/warm_start_calculator.py
 """
 
 from __future__ import annotations

@@ -40,9 +40,9 @@ the script rewinds to the previous evaluation's weights and optimizer state and 
 are a pure function of the step index), evaluating after every step, and stops at the first step in range.
 Everything runs on CPU and is deterministic for a given ``--seed``.
 
-Reproduce (from anywhere)::
+Reproduce (from the repository root)::
 
-    python experiments/warm_start_guess.py
+    .venv/bin/python experiments/warm_start_guess.py
 """
 
 from __future__ import annotations

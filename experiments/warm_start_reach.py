@@ -46,10 +46,10 @@ checkpoint scores 0.347 on the test split and 0.390 on the validation split, 0.2
 9.5 turns per episode. Then GRPO (``configs/grpo.yaml`` + ``configs/tasks/reach.yaml``, one seed) moved the greedy
 test success to 0.648 at step 100, 0.540 at step 150 and 0.632 at step 300.
 
-Reproduce (from anywhere; 2,000 steps of about 0.45 s alone on one CPU thread, about 15 min; the shipped build took
-31 min with the machine's 2 cores shared with other jobs)::
+Reproduce (from the repository root; 2,000 steps of about 0.45 s alone on one CPU thread, about 15 min; the shipped
+build took 31 min with the machine's 2 cores shared with other jobs)::
 
-    OMP_NUM_THREADS=1 python experiments/warm_start_reach.py
+    OMP_NUM_THREADS=1 .venv/bin/python experiments/warm_start_reach.py
 """
 
 from __future__ import annotations

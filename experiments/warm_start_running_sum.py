@@ -31,7 +31,7 @@ temperature 1 on the first training batches, time, versions, the command) into `
 
 Reproduce (about 14 min on one CPU thread)::
 
-    OMP_NUM_THREADS=1 python experiments/warm_start_running_sum.py
+    OMP_NUM_THREADS=1 .venv/bin/python experiments/warm_start_running_sum.py
 """
 
 from __future__ import annotations
