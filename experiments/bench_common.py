@@ -101,12 +101,25 @@ def step_times(start: float, ends: list[float], warmup: int) -> list[float]:
     return [b - a for a, b in zip(marks, marks[1:])][warmup:]
 
 
+def adamw(lr: float) -> Callable[[Any], Any]:
+    """Our optimiser factory in every side-by-side: AdamW at ``lr`` without weight decay, PyTorch's fused kernel --
+    what TRL's trainer runs by default (``optim="adamw_torch_fused"`` from torch 2.8, set explicitly in ``train_trl``)
+    rather than the Python loop over parameters that ``torch.optim.AdamW`` is on a CPU by default."""
+
+    def make(params: Any) -> Any:
+        import torch
+
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=True)
+
+    return make
+
+
 def train_trl(model: Any, tok: Any, reward: Callable[..., list[float]], rows: list[dict], *, prompts: int,
               group: int, max_new: int, lr: float, warmup: int, steps: int, device: str = "cpu",
               **config: Any) -> tuple[list[float], list[dict]]:
     """TRL's ``GRPOTrainer`` on ``rows`` for ``warmup + steps`` steps with the settings both benchmarks use
     (``prompts`` x ``group`` completions of at most ``max_new`` tokens, temperature 1, top-p 1, beta 0, the "grpo"
-    loss, group std scaling, one update per batch, AdamW at ``lr`` without weight decay, grad-norm clip 1, fp32;
+    loss, group std scaling, one update per batch, fused AdamW at ``lr`` without weight decay, grad-norm clip 1, fp32;
     ``config`` adds to them). Returns ``(the times of the steps after the warm-up, TRL's log history)``."""
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -124,7 +137,8 @@ def train_trl(model: Any, tok: Any, reward: Callable[..., list[float]], rows: li
             output_dir=tmp, use_cpu=device == "cpu", bf16=False, fp16=False, gradient_checkpointing=False,
             per_device_train_batch_size=prompts * group, num_generations=group, max_completion_length=max_new,
             temperature=1.0, top_p=1.0, top_k=0, beta=0.0, loss_type="grpo", scale_rewards="group",
-            num_iterations=1, learning_rate=lr, weight_decay=0.0, max_grad_norm=1.0, lr_scheduler_type="constant",
+            num_iterations=1, learning_rate=lr, optim="adamw_torch_fused", weight_decay=0.0, max_grad_norm=1.0,
+            lr_scheduler_type="constant",
             warmup_steps=0, max_steps=warmup + steps, report_to="none", logging_steps=1, save_strategy="no",
             disable_tqdm=True, seed=0, dataloader_num_workers=0, **config,
         )
@@ -162,10 +176,11 @@ def function_reward(fn: Callable[[Any, str], float]) -> Any:
 
 
 def fit_ours(module: Any, datamodule: Any, *, warmup: int, steps: int, on_batch: Callable[[Any, Any, Any], None],
-             on_start: Callable[[Any], None] = lambda pl_module: None, device: str = "cpu") -> list[float]:
+             on_start: Callable[[Any], None] = lambda pl_module: None, device: str = "cpu",
+             callbacks: Iterable[Any] = ()) -> list[float]:
     """Our ``Trainer.fit`` for ``warmup + steps`` steps, no validation, logging or checkpoints; ``on_start(pl_module)``
-    as training starts and ``on_batch(trainer, pl_module, batch)`` after each step. Returns the times of the steps
-    after the warm-up."""
+    as training starts and ``on_batch(trainer, pl_module, batch)`` after each step (``callbacks``: more Lightning
+    callbacks, after the timer). Returns the times of the steps after the warm-up."""
     from lightning.pytorch import Callback, Trainer
 
     ends: list[float] = []
@@ -181,7 +196,7 @@ def fit_ours(module: Any, datamodule: Any, *, warmup: int, steps: int, on_batch:
 
     trainer = Trainer(accelerator="gpu" if device == "cuda" else "cpu", devices=1, max_steps=warmup + steps,
                       logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      num_sanity_val_steps=0, limit_val_batches=0, callbacks=[Timer()])
+                      num_sanity_val_steps=0, limit_val_batches=0, callbacks=[Timer(), *callbacks])
     start = time.perf_counter()
     trainer.fit(module, datamodule=datamodule)
     return step_times(start, ends, warmup)

@@ -9,8 +9,8 @@ initialised checkpoint, and uses one prompt set and one reward function for both
 framework trains in its own subprocess (so each has its own peak memory); the subprocesses alternate
 (TRL, ours, TRL, ours, ...) so machine noise hits both alike. The first ``--warmup`` steps of each run are
 excluded. Settings shared by both: 8 prompts × G = 8, max 32 completion tokens, temperature 1, top-p 1,
-AdamW lr 1e-5 (no weight decay), grad-norm clip 1.0, β = 0 (no reference model), one update per batch,
-GRPO's seq-mean-token-mean loss (TRL ``loss_type="grpo"``), group std scaling, fp32, no gradient
+fused AdamW lr 1e-5 (no weight decay; ``bench_common.adamw``), grad-norm clip 1.0, β = 0 (no reference model),
+one update per batch, GRPO's seq-mean-token-mean loss (TRL ``loss_type="grpo"``), group std scaling, fp32, no gradient
 checkpointing, no vLLM.
 
 Printed per size: median s/step, completion tokens/s, peak memory (RSS on CPU, allocated GPU memory with
@@ -147,7 +147,7 @@ def run_ours(ckpt: Path, steps: int, warmup: int, device: str = "cpu") -> dict:
                      | {"tokens": float(batch.loss_mask.sum())})
 
     module = GRPO(model_name_or_path=str(ckpt), loss_aggregation="seq_mean_token_mean", max_grad_norm=1.0,
-                  optimizer=lambda p: torch.optim.AdamW(p, lr=LR, weight_decay=0.0))
+                  optimizer=common.adamw(LR))
     datamodule = RolloutDataModule(task=common.listed_task([(t, None) for t in texts]),
                                    prompts_per_step=PROMPTS_PER_STEP, group_size=GROUP,
                                    reward_fn=common.function_reward(lambda prompt, response: reward_value(response)),

@@ -9,7 +9,7 @@ whose prompts are 5 tokens. These workloads are what training looks like:
 
 * ``embedded``: the shipped warm-started model (``embedded:arithmetic``, 1.1M parameters, character tokenizer)
   on ``configs/grpo.yaml``'s settings: ``ArithmeticTask(2 digits, "+", seed 1234)``, 16 prompts x G = 8, at most
-  6 new tokens, temperature 1, AdamW lr 1e-4 (no weight decay), grad-norm clip 1, seq-mean-token-mean loss
+  6 new tokens, temperature 1, fused AdamW lr 1e-4 (no weight decay), grad-norm clip 1, seq-mean-token-mean loss
   (TRL ``loss_type="grpo"``), group std scaling, beta = 0, one update per batch; the task's own reward (exact
   match of the answer), so groups where all 8 answers are right or all wrong (zero variance) occur as in training.
   Prompts are BOS + ``"a+b="`` in both (our data module's ``add_bos``; for TRL the text starts with ``<bos>``,
@@ -180,8 +180,6 @@ def run_trl(workload: str, ckpt: Path, steps: int, warmup: int) -> dict:
 
 
 def run_ours(workload: str, ckpt: Path, steps: int, warmup: int) -> dict:
-    import torch
-
     from rl_lightning.algorithms import GRPO
     from rl_lightning.rollout import PromptFormat, RolloutDataModule, Sampling
     from rl_lightning.rollout.settings import grouped
@@ -200,7 +198,7 @@ def run_ours(workload: str, ckpt: Path, steps: int, warmup: int) -> dict:
 
     model_args = {k: v for k, v in cfg["model"]["init_args"].items() if k != "optimizer"}  # configs/grpo.yaml
     model_args["model_name_or_path"] = "embedded:arithmetic" if spec["model"] == "embedded" else str(ckpt)
-    module = GRPO(**model_args, optimizer=lambda p: torch.optim.AdamW(p, lr=spec["lr"], weight_decay=0.0))
+    module = GRPO(**model_args, optimizer=common.adamw(spec["lr"]))
     data = grouped({k: v for k, v in cfg["data"]["init_args"].items() if k not in ("task", "evaluation")})
     data.update(prompts_per_step=spec["prompts"], group_size=GROUP,
                 sampling=replace(data.get("sampling", Sampling()), max_new_tokens=spec["max_new"], temperature=1.0,

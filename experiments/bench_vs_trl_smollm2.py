@@ -12,8 +12,8 @@ Settings, identical in both frameworks: fp32, no gradient checkpointing, no vLLM
 at most 32 new tokens (``--prompts``, ``--group``, ``--max-new``; smaller for a quick check of the script),
 temperature 1, top-p 1 (TRL ``top_k=0``); beta = 0 (no reference model); one update per batch
 (TRL ``num_iterations=1``, ours ``num_iterations=1, num_minibatches=1``), clip 0.2, seq-mean-token-mean loss (TRL
-``loss_type="grpo"``), group std scaling; AdamW without weight decay at lr 1e-6 (``full``) or 1e-4 (``lora``),
-grad-norm clip 1.
+``loss_type="grpo"``), group std scaling; fused AdamW (TRL's default ``adamw_torch_fused``) without weight decay at
+lr 1e-6 (``full``) or 1e-4 (``lora``), grad-norm clip 1.
 
 * ``full``: every weight trains.
 * ``lora``: LoRA rank 16, alpha 32, dropout 0 on ``q_proj, k_proj, v_proj, o_proj`` (ours:
@@ -238,10 +238,10 @@ def run_trl(workload: str, ckpt: Path, steps: int, warmup: int, prompts_per_step
     }
 
 
-def run_ours(workload: str, ckpt: Path, steps: int, warmup: int, prompts_per_step: int, group: int,
-             max_new: int, equal_work: bool = False) -> dict:
-    import torch
-
+def build_ours(workload: str, ckpt: Path, prompts_per_step: int, group: int, max_new: int, equal_work: bool,
+               batches: int) -> tuple[Any, Any]:
+    """Our ``GRPO`` module and data module with the module docstring's settings (``configs/grpo_smollm2.yaml``'s,
+    the shared ones overridden as TRL's), over ``batches`` steps of the benchmark's prompts."""
     from rl_lightning.algorithms import GRPO
     from rl_lightning.models.adapters import LoraSettings
     from rl_lightning.rollout import PromptFormat, RolloutDataModule, Sampling
@@ -250,7 +250,26 @@ def run_ours(workload: str, ckpt: Path, steps: int, warmup: int, prompts_per_ste
     spec = WORKLOADS[workload]
     cfg = yaml_config("grpo_smollm2.yaml")
     words = yaml_config("tasks/smollm2_words.yaml")["data"]["init_args"]
-    pairs = prompts(prompts_per_step * (warmup + steps + 2))
+    model_args = {k: v for k, v in cfg["model"]["init_args"].items() if k != "optimizer"}  # configs/grpo_smollm2.yaml
+    model_args.update(model_name_or_path=str(ckpt), dtype="float32", num_iterations=1, num_minibatches=1,
+                      clip_eps_low=0.2, clip_eps_high=0.2, scale_rewards=True, max_grad_norm=1.0,
+                      loss_aggregation="seq_mean_token_mean", skip_inert_rows=not equal_work)
+    if spec["lora"]:
+        model_args["lora"] = LoraSettings(**LORA)
+    module = GRPO(**model_args, optimizer=common.adamw(spec["lr"]))
+    data = grouped({k: v for k, v in {**cfg["data"]["init_args"], **words}.items() if k not in ("task", "evaluation")})
+    data.update(prompts_per_step=prompts_per_step, group_size=group,
+                sampling=replace(data.get("sampling", Sampling()), max_new_tokens=max_new, temperature=1.0, top_p=1.0),
+                prompt_format=replace(data.get("prompt_format", PromptFormat()), add_bos=False, use_chat_template=True))
+    pairs = prompts(prompts_per_step * batches)
+    return module, RolloutDataModule(task=common.listed_task(pairs), reward_fn=verifier(), **data)
+
+
+def run_ours(workload: str, ckpt: Path, steps: int, warmup: int, prompts_per_step: int, group: int,
+             max_new: int, equal_work: bool = False) -> dict:
+    import torch
+
+    spec = WORKLOADS[workload]
     counts = Counts()
     sizes: dict[str, int] = {}
     logged: list[dict[str, float]] = []
@@ -273,18 +292,7 @@ def run_ours(workload: str, ckpt: Path, steps: int, warmup: int, prompts_per_ste
                        "grad": grad, "nograd": nograd, "head": head, "generated": generated,
                        "generated_head": generated_head})
 
-    model_args = {k: v for k, v in cfg["model"]["init_args"].items() if k != "optimizer"}  # configs/grpo_smollm2.yaml
-    model_args.update(model_name_or_path=str(ckpt), dtype="float32", num_iterations=1, num_minibatches=1,
-                      clip_eps_low=0.2, clip_eps_high=0.2, scale_rewards=True, max_grad_norm=1.0,
-                      loss_aggregation="seq_mean_token_mean", skip_inert_rows=not equal_work)
-    if spec["lora"]:
-        model_args["lora"] = LoraSettings(**LORA)
-    module = GRPO(**model_args, optimizer=lambda p: torch.optim.AdamW(p, lr=spec["lr"], weight_decay=0.0))
-    data = grouped({k: v for k, v in {**cfg["data"]["init_args"], **words}.items() if k not in ("task", "evaluation")})
-    data.update(prompts_per_step=prompts_per_step, group_size=group,
-                sampling=replace(data.get("sampling", Sampling()), max_new_tokens=max_new, temperature=1.0, top_p=1.0),
-                prompt_format=replace(data.get("prompt_format", PromptFormat()), add_bos=False, use_chat_template=True))
-    datamodule = RolloutDataModule(task=common.listed_task(pairs), reward_fn=verifier(), **data)
+    module, datamodule = build_ours(workload, ckpt, prompts_per_step, group, max_new, equal_work, warmup + steps + 2)
     before = matmul_flops()
     times = common.fit_ours(module, datamodule, warmup=warmup, steps=steps, on_batch=on_batch, on_start=on_start)
     matmul = max(before, matmul_flops())
