@@ -23,10 +23,10 @@ from tests.tolerances import decoder_logprob_bound, gamma, unit_roundoff
 LORA = LoraSettings(rank=4, alpha=8.0)
 
 
-def _module(**kwargs) -> GRPO:  # noqa: ANN003
+def _module(fused: bool | None = None, **kwargs) -> GRPO:  # noqa: ANN003
     torch.manual_seed(0)
     return GRPO(model_name_or_path="embedded:arithmetic", lora=LORA,
-                optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2), **kwargs)
+                optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2, fused=fused), **kwargs)
 
 
 def _perturb(model: torch.nn.Module) -> None:
@@ -184,10 +184,12 @@ def test_kl_to_the_base_is_zero_at_the_start_and_needs_no_second_model(tmp_path)
     assert record.metrics[1]["train/kl"] > 0.0
 
 
-def test_checkpoints_hold_the_adapters_only_and_resume_bit_identically(tmp_path):
-    straight = _module()
+@pytest.mark.parametrize("fused", [None, True], ids=["adamw-loop", "adamw-fused"])
+def test_checkpoints_hold_the_adapters_only_and_resume_bit_identically(tmp_path, fused):
+    """Also with AdamW's fused kernel (configs/grpo_smollm2.yaml's), whose state is restored as the loop's."""
+    straight = _module(fused)
     tiny_trainer(tmp_path / "a", max_steps=3).fit(straight, datamodule=tiny_datamodule())
-    first = _module()
+    first = _module(fused)
     trainer = tiny_trainer(tmp_path / "b", max_steps=2)
     trainer.fit(first, datamodule=tiny_datamodule())
     path = tmp_path / "b.ckpt"
@@ -195,8 +197,9 @@ def test_checkpoints_hold_the_adapters_only_and_resume_bit_identically(tmp_path)
     state = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
     assert state and all(".lora_" in k for k in state)  # no base weight in the file
     assert state.keys() == {f"policy.{k}" for k in adapter_state_dict(first.policy)}
-    resumed = _module()
+    resumed = _module(fused)
     tiny_trainer(tmp_path / "c", max_steps=3).fit(resumed, datamodule=tiny_datamodule(), ckpt_path=str(path))
+    assert all(group.get("fused") == fused for group in resumed.optimizers().optimizer.param_groups)
     for (name, a), (_, b) in zip(straight.policy.named_parameters(), resumed.policy.named_parameters()):
         assert torch.equal(a, b), name
 
