@@ -11,7 +11,8 @@ of the library needs from adapters is here:
 * ``has_adapters`` / ``adapters_disabled`` / ``BaseModelView`` -- the base model under the adapters, with no second
   copy (the reference model of a KL penalty: ``RLModule.load_frozen_copy``);
 * ``merged_state_dict`` -- the base model's weights with every adapter merged in, under the base model's names (an
-  engine that takes plain weights, an export);
+  engine that takes plain weights, an export); ``effective_weight`` -- one projection's weight with its active
+  adapters merged (the static decode loop multiplies by it once per token instead of running three products);
 * ``frozen_state_keys`` -- the state-dict entries a checkpoint can leave out (the base is reloaded from its path);
 * ``add_adapter`` / ``AdapterView`` / ``adapter_parameters`` -- a second set of adapters on the same frozen base (a
   critic's), run alone through a view, trained in a parameter group of its own; the policy's adapter is
@@ -114,6 +115,28 @@ def is_adapted_linear(module: nn.Module) -> bool:
     layer or any other tuner; never imports peft."""
     layer = sys.modules.get("peft.tuners.lora.layer")
     return layer is not None and type(module) is layer.Linear and type(module.base_layer) is nn.Linear
+
+
+@torch.no_grad()
+def effective_weight(module: nn.Module) -> Tensor | None:
+    """The weight an adapted projection (``is_adapted_linear``) multiplies by in its forward right now: the base
+    weight plus ``(α/r) B A`` of each active adapter (none while ``adapters_disabled``, or once peft has merged them),
+    as a new tensor -- so ``F.linear(x, effective_weight(m), m.base_layer.bias)`` is ``m(x)`` up to float rounding
+    (one product instead of three). ``None`` where the forward is not such a product: a LoRA variant (DoRA), or
+    adapter dropout that is active (training mode with ``p > 0``); the caller then runs ``m`` itself."""
+    base = module.base_layer.weight
+    if module.disable_adapters or module.merged:
+        return base
+    weight = base
+    for name in module.active_adapters:
+        if name not in module.lora_A:
+            continue
+        dropout = module.lora_dropout[name]
+        variant = name in getattr(module, "lora_variant", {}) or getattr(module, "use_dora", {}).get(name, False)
+        if variant or (dropout.training and getattr(dropout, "p", 0.0) > 0):
+            return None
+        weight = weight + module.get_delta_weight(name).to(base.dtype)
+    return weight
 
 
 def _adapter_layers(model: nn.Module) -> list[nn.Module]:

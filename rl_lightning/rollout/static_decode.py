@@ -8,14 +8,19 @@ arithmetic itself on models of a few million parameters (``experiments/bench_vs_
 ``StaticDecoder`` runs the same arithmetic as ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` /
 ``MistralForCausalLM`` (pre-norm RMSNorm, rotary q/k from the model's own ``rotary_emb``, grouped-query
 attention, SiLU-gated MLP, optional q/k/v/o and MLP biases), reading the model's own parameters (nothing is
-copied or converted; a projection with LoRA adapters, ``models.adapters.add_lora``, runs through its own forward,
-adapters included), with:
+copied or converted), with:
 
 * one pre-allocated ``[layers, 2, rows, kv_heads, length, head_dim]`` cache written in place (no copy of
   the whole cache per token),
 * attention as two batched matrix products over the filled part of the cache, grouped-query heads without
   repeating keys and values,
-* prompt padding as one additive mask row per sequence, made once, and no per-step mask building.
+* prompt padding as one additive mask row per sequence, made once, and no per-step mask building,
+* a projection with LoRA adapters (``models.adapters.add_lora``) multiplied by its effective weight, the base weight
+  with its active adapters merged (``adapters.effective_weight``, computed once per rollout and held for its
+  duration, a copy of each adapted weight: one product per token instead of the base's and the adapters' three;
+  rounding differs from the adapters' own forward by a few fp32 ulps
+  of the output, which the sampler contract's bound covers), or run through its own forward where that is not a
+  plain product (DoRA, active adapter dropout).
 
 (Fusing q/k/v and gate/up into single matrix products was measured too: on this project's CPU it was slower
 for models from 10M parameters up, and it needs a weight copy per rollout, so the projections stay separate.)
@@ -23,7 +28,8 @@ for models from 10M parameters up, and it needs a weight copy per rollout, so th
 The prompt itself goes through the model's own forward (one call, so its cost does not matter); its keys and
 values are copied into the static cache. ``supports(model)`` says whether a model has exactly this
 structure; anything else keeps the general loop (``generation.sample``), so the fast path never changes what
-a model computes, only how fast -- the tests compare its tokens and log-probs with Hugging Face ``generate``.
+a model computes (beyond the rounding of merged adapter weights), only how fast -- the tests compare its tokens and
+log-probs with Hugging Face ``generate``.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from rl_lightning.models.adapters import is_adapted_linear
+from rl_lightning.models.adapters import effective_weight, is_adapted_linear
 
 #: ``config.model_type`` values whose decoder layers have exactly the structure computed here
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
@@ -94,10 +100,19 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-def _linear(x: Tensor, layer: nn.Module) -> Tensor:
-    """A projection: a plain ``nn.Linear`` read directly; a LoRA-adapted one (``adapters.is_adapted_linear``) by its
-    own forward, so that what its adapters add (or, while they are disabled, do not add) is never skipped."""
-    return F.linear(x, layer.weight, layer.bias) if type(layer) is nn.Linear else layer(x)
+def projection(layer: nn.Module) -> tuple[Tensor | None, Tensor | None, nn.Module]:
+    """How the decode step multiplies by one projection: ``(weight, bias, layer)`` with the weight to use -- a plain
+    ``nn.Linear``'s own, or a LoRA-adapted one's with its active adapters merged (``adapters.effective_weight``: what
+    its adapters add, or while they are disabled do not add, is never skipped) -- or ``weight`` ``None``: run
+    ``layer``'s own forward."""
+    if type(layer) is nn.Linear:
+        return layer.weight, layer.bias, layer
+    return effective_weight(layer), layer.base_layer.bias, layer
+
+
+def _linear(x: Tensor, proj: tuple[Tensor | None, Tensor | None, nn.Module]) -> Tensor:
+    weight, bias, layer = proj
+    return layer(x) if weight is None else F.linear(x, weight, bias)
 
 
 def _cache_tensors(cache: object, layer: int) -> tuple[Tensor, Tensor]:
@@ -124,9 +139,10 @@ class StaticDecoder:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.scale = 1.0 / math.sqrt(self.head_dim)
         self.layers = [
-            (layer.input_layernorm, layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
-             layer.self_attn.o_proj, layer.post_attention_layernorm, layer.mlp.gate_proj, layer.mlp.up_proj,
-             layer.mlp.down_proj)
+            (layer.input_layernorm, *map(projection, (layer.self_attn.q_proj, layer.self_attn.k_proj,
+                                                       layer.self_attn.v_proj, layer.self_attn.o_proj)),
+             layer.post_attention_layernorm,
+             *map(projection, (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)))
             for layer in self.base.layers
         ]
         self.capacity = capacity

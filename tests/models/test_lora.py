@@ -14,7 +14,7 @@ from rl_lightning.algorithms import GRPO, PPO
 from rl_lightning.callbacks import CriticWarmup, KLRegularizer
 from rl_lightning.models.adapters import (
     AdapterView, BaseModelView, LoraSettings, adapter_names, adapter_parameters, adapter_state_dict, add_adapter,
-    add_lora, adapters_disabled, merged_state_dict, only_adapter, policy_parameters,
+    add_lora, adapters_disabled, effective_weight, merged_state_dict, only_adapter, policy_parameters,
 )
 from rl_lightning.models.policy import load_policy
 from tests.conftest import RecordBatches, RecordRollouts, tiny_datamodule, tiny_trainer
@@ -153,6 +153,35 @@ def test_a_merged_weight_is_w_plus_scaled_b_a_within_float32_rounding():
     terms = w.abs() + scale * b.abs() @ a.abs()  # the magnitudes the float32 sum of r products and one add round
     got = merged_state_dict(module.policy)["model.layers.0.self_attn.q_proj.weight"].double()
     assert ((got - exact).abs() <= gamma(LORA.rank + 2) * terms + unit_roundoff()).all()
+
+
+def test_an_effective_weight_is_the_active_adapters_merged_and_none_where_the_forward_is_not_a_product():
+    """``effective_weight``: W + (α/r) B A within the merge's float32 bound while the adapters are on, W itself
+    while they are disabled, and ``None`` (run the layer's own forward) with active adapter dropout or a variant."""
+    module = _module()
+    _perturb(module.policy)
+    layer = module.policy.model.layers[0].self_attn.q_proj
+    w, a, b = (layer.base_layer.weight.double(), layer.lora_A["default"].weight.double(),
+               layer.lora_B["default"].weight.double())
+    scale = LORA.alpha / LORA.rank
+    terms = w.abs() + scale * b.abs() @ a.abs()
+    got = effective_weight(layer)
+    assert not got.requires_grad
+    assert ((got.double() - (w + scale * b @ a)).abs() <= gamma(LORA.rank + 2) * terms + unit_roundoff()).all()
+    x = torch.randn(3, layer.in_features, generator=torch.Generator().manual_seed(2))
+    # both products approximate (W + (α/r) B A) x, each within γ(in + r + 2) of |W| |x| + (α/r) |B| |A| |x|
+    bound = 2 * gamma(layer.in_features + LORA.rank + 2) * x.double().abs() @ terms.T
+    with torch.no_grad():
+        diff = (torch.nn.functional.linear(x, got, layer.base_layer.bias) - layer(x)).double().abs()
+    assert (diff <= bound).all()
+    with adapters_disabled(module.policy):
+        assert effective_weight(layer) is layer.base_layer.weight
+    dropping = add_lora(load_policy("embedded:arithmetic")[0], LoraSettings(rank=4, alpha=8.0, dropout=0.1))
+    projection = dropping.model.layers[0].self_attn.q_proj
+    assert effective_weight(projection.train()) is None  # dropout draws a mask per call: no single weight
+    assert effective_weight(projection.eval()) is not None
+    projection.use_dora = {"default": True}  # a variant's forward is not W' x either (the attribute peft sets)
+    assert effective_weight(projection) is None
 
 
 def test_the_sampler_generates_with_the_adapters_after_updates_and_syncs(tmp_path):
