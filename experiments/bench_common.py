@@ -149,6 +149,43 @@ def train_trl(model: Any, tok: Any, reward: Callable[..., list[float]], rows: li
     return step_times(start, ends, warmup), trainer.state.log_history
 
 
+def chat_prompt_batch(tok: Any, rows: int) -> tuple[Any, Any]:
+    """The rollout benchmarks' batch: ``rows // 8`` apple word problems in ``tok``'s chat template, 8 rows each,
+    left-padded (ids and attention mask)."""
+    from rl_lightning.rollout.sessions import left_pad
+
+    texts = [f"Tom has {a} apples and buys {b} more. How many apples does he have now? Answer with a number."
+             for a, b in zip(range(3, 3 + rows // 8), range(5, 5 + rows // 8))]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True)
+               for t in texts]
+    prompts = [ids if isinstance(ids, list) else ids["input_ids"] for ids in prompts]
+    return left_pad([ids for ids in prompts for _ in range(8)], tok.pad_token_id, "cpu")
+
+
+def alternate_rollouts(ways: dict[str, tuple[Any, Callable[[], Any]]], ids: Any, mask: Any, params: Any,
+                       repeats: int, after_round: Callable[[int, dict[str, Any], dict[str, list[float]]], None]
+                       ) -> dict[str, list[float]]:
+    """Sample the batch ``ids``/``mask`` once per way and round, in alternation, ``repeats`` rounds: a way is ``(model,
+    patch)``, ``patch()`` a context manager that sets the library up for it (``unittest.mock.patch.object``); round
+    ``r`` seeds the generator with ``r``. ``after_round(r, outputs, times)`` runs after each round. Returns each
+    way's rollout times."""
+    import torch
+
+    from rl_lightning.rollout.generation import DecodeOptions, sample
+
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    for repeat in range(repeats):
+        out = {}
+        for name, (model, patch) in ways.items():
+            with patch():
+                start = time.perf_counter()
+                out[name] = sample(model, ids, mask, params, torch.Generator().manual_seed(repeat), None,
+                                   DecodeOptions())
+                times[name].append(time.perf_counter() - start)
+        after_round(repeat, out, times)
+    return times
+
+
 def listed_task(pairs: list[tuple[str, str | None]]) -> Any:
     """A task whose training prompt ``i`` is ``pairs[i % len(pairs)]`` (text, answer); no held-out prompts."""
     from rl_lightning.envs import Prompt, Task

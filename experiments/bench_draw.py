@@ -17,12 +17,18 @@ seed per pair (the script checks that each pair drew the same tokens and log-pro
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
+import sys
 import time
+from unittest import mock
 
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_common as common
 
 from rl_lightning.rollout import generation
 from rl_lightning.rollout.generation import categorical_draw
@@ -34,39 +40,28 @@ def rollouts(model_dir: Path, rows: int, tokens: int, repeats: int) -> None:
     """Whole rollouts, alternating the two draws (the module docstring's ``--rollout``)."""
     from rl_lightning.models.policy import load_policy
     from rl_lightning.rollout import SamplingParams
-    from rl_lightning.rollout.sessions import left_pad
-    from rl_lightning.rollout.generation import DecodeOptions, sample
 
     model, tok = load_policy(str(model_dir))
     model.eval()
-    texts = [f"Tom has {a} apples and buys {b} more. How many apples does he have now? Answer with a number."
-             for a, b in zip(range(3, 3 + rows // 8), range(5, 5 + rows // 8))]
-    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True)
-               for t in texts]
-    prompts = [p if isinstance(p, list) else p["input_ids"] for p in prompts]
-    ids, mask = left_pad([p for p in prompts for _ in range(8)], tok.pad_token_id, "cpu")
+    ids, mask = common.chat_prompt_batch(tok, rows)
     params = SamplingParams(max_tokens=tokens, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    draws = {"categorical_draw": categorical_draw,
-             "multinomial": lambda p, g=None: torch.multinomial(p, 1, generator=g).squeeze(-1)}
-    times: dict[str, list[float]] = {name: [] for name in draws}
+
+    def multinomial(p, g=None):  # noqa: ANN001, ANN202
+        return torch.multinomial(p, 1, generator=g).squeeze(-1)
+
+    ways = {"categorical_draw": (model, contextlib.nullcontext),
+            "multinomial": (model, lambda: mock.patch.object(generation, "categorical_draw", multinomial))}
     print(f"{model_dir}: {ids.shape[0]} rows, prompts of {ids.shape[1]} tokens, at most {tokens} new tokens; "
           f"{repeats} alternating pairs")
-    for repeat in range(repeats):
-        out = {}
-        for name, fn in draws.items():
-            generation.categorical_draw = fn
-            try:
-                start = time.perf_counter()
-                out[name] = sample(model, ids, mask, params, torch.Generator().manual_seed(repeat), None,
-                                   DecodeOptions())
-                times[name].append(time.perf_counter() - start)
-            finally:
-                generation.categorical_draw = categorical_draw
+
+    def after_round(repeat: int, out: dict, times: dict) -> None:
         a, b = out["categorical_draw"], out["multinomial"]
         if not (torch.equal(a.response_ids, b.response_ids) and torch.equal(a.logprobs, b.logprobs)):
             raise SystemExit(f"pair {repeat}: the two draws gave different rollouts")
         print(f"  pair {repeat}: categorical_draw {times['categorical_draw'][-1]:.2f} s, multinomial "
               f"{times['multinomial'][-1]:.2f} s, {int(a.mask.sum())} tokens")
+
+    times = common.alternate_rollouts(ways, ids, mask, params, repeats, after_round)
     a, b = statistics.median(times["categorical_draw"]), statistics.median(times["multinomial"])
     print(f"median: categorical_draw {a:.2f} s, multinomial {b:.2f} s, ratio {a / b:.2f}")
 

@@ -3,24 +3,27 @@
     OMP_NUM_THREADS=1 .venv/bin/python experiments/bench_lora_decode.py [--model DIR] [--rows 32] [--tokens 32]
         [--repeats 3]
 
-``StaticDecoder`` multiplies each LoRA-adapted projection by its effective weight, the base weight with the active
-adapters merged (``models.adapters.effective_weight``, computed once per rollout), instead of running the adapted
-layer's forward (the base product, then ``A`` and ``B``: three products and an add per projection and token). This
-script samples the same rollouts from the local checkpoint ``--model`` (default SmolLM2-135M-Instruct; nothing is
-downloaded) with LoRA adapters (rank 16, α 32, the seven projections, ``B`` drawn nonzero as after training) both
-ways, and from the model without adapters, in alternation (``sample``, temperature 1, the same generator seed per
-repeat), and prints each way's median rollout time and how far the merged rollouts' tokens and log-probs are from
-those through the adapters (a different rounding: a token can flip where two candidates' probabilities tie to a few
-ulps, after which the rows diverge).
+In a rollout of at least ``static_decode.MERGE_MIN_STEPS`` decode steps, ``StaticDecoder`` multiplies each
+LoRA-adapted projection by its effective weight, the base weight with the active adapters merged
+(``models.adapters.effective_weight``, computed once per rollout), instead of running the adapted layer's forward
+(the base product, then ``A`` and ``B``: three products and an add per projection and token). This script forces
+each way whatever the rollout's length (the threshold patched to 0 and to never) and samples the same rollouts from
+the local checkpoint ``--model`` (default SmolLM2-135M-Instruct; nothing is downloaded) with LoRA adapters (rank 16,
+α 32, the seven projections, ``B`` drawn nonzero as after training) both ways, and from the model without adapters,
+in alternation (``sample``, temperature 1, the same generator seed per repeat), and prints each way's median rollout
+time and how far the merged rollouts' tokens and log-probs are from those through the adapters (a different
+rounding: a token can flip where two candidates' probabilities tie to a few ulps, after which the rows diverge).
+Shorter rollouts (``--tokens`` below the threshold) show what the threshold avoids: the merge's fixed cost.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
-import time
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as common
@@ -46,8 +49,6 @@ def main() -> None:
     from rl_lightning.models.adapters import LoraSettings, add_lora
     from rl_lightning.models.policy import load_policy
     from rl_lightning.rollout import SamplingParams, static_decode
-    from rl_lightning.rollout.generation import DecodeOptions, sample
-    from rl_lightning.rollout.sessions import left_pad
 
     plain, tok = load_policy(str(ckpt))
     plain.eval()
@@ -57,44 +58,26 @@ def main() -> None:
         for name, weight in adapted.named_parameters():
             if ".lora_B." in name:
                 weight.copy_(torch.randn(weight.shape, generator=generator) * 0.01)
-    texts = [f"Tom has {a} apples and buys {b} more. How many apples does he have now? Answer with a number."
-             for a, b in zip(range(3, 3 + args.rows // 8), range(5, 5 + args.rows // 8))]
-    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True)
-               for t in texts]
-    prompts = [ids if isinstance(ids, list) else ids["input_ids"] for ids in prompts]
-    ids, mask = left_pad([ids for ids in prompts for _ in range(8)], tok.pad_token_id, "cpu")
+    ids, mask = common.chat_prompt_batch(tok, args.rows)
     params = SamplingParams(max_tokens=args.tokens, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    merged_projection = static_decode.projection
-
-    def through_adapters(layer):  # noqa: ANN001, ANN202 -- the decoder's projection before effective weights
-        return merged_projection(layer) if type(layer) is torch.nn.Linear else (None, None, layer)
-
-    ways = {"merged (effective weights)": (adapted, merged_projection),
-            "through the adapters": (adapted, through_adapters), "no adapters": (plain, merged_projection)}
-    times: dict[str, list[float]] = {name: [] for name in ways}
-    same_tokens, logp_diff, tokens = [], [], []
+    ways = {"merged (effective weights)": (adapted, lambda: mock.patch.object(static_decode, "MERGE_MIN_STEPS", 0)),
+            "through the adapters": (adapted, lambda: mock.patch.object(static_decode, "MERGE_MIN_STEPS", 10**9)),
+            "no adapters": (plain, contextlib.nullcontext)}
+    same_tokens, logp_diff = [], []
     print(common.machine_line())
     print(f"model: {ckpt}; {ids.shape[0]} rows, prompts of {ids.shape[1]} tokens, at most {args.tokens} new tokens; "
           f"LoRA rank 16 on the seven projections; {args.repeats} alternating rollouts per way")
-    for repeat in range(args.repeats):
-        out = {}
-        for name, (model, projection) in ways.items():
-            static_decode.projection = projection
-            try:
-                start = time.perf_counter()
-                out[name] = sample(model, ids, mask, params, torch.Generator().manual_seed(repeat), None,
-                                   DecodeOptions())
-                times[name].append(time.perf_counter() - start)
-            finally:
-                static_decode.projection = merged_projection
+
+    def after_round(repeat: int, out: dict, times: dict) -> None:
         a, b = out["merged (effective weights)"], out["through the adapters"]
         equal_rows = (a.response_ids == b.response_ids).all(-1)
         same_tokens.append(float(equal_rows.float().mean()))
         both = a.mask.bool() & b.mask.bool() & equal_rows.unsqueeze(-1)
         logp_diff.append(float((a.logprobs - b.logprobs).abs()[both].max()) if both.any() else float("nan"))
-        tokens.append(int(a.mask.sum()))
         print(f"  rollout {repeat}: " + ", ".join(f"{name} {times[name][-1]:.2f} s" for name in ways)
-              + f"; {tokens[-1]} tokens")
+              + f"; {int(a.mask.sum())} tokens")
+
+    times = common.alternate_rollouts(ways, ids, mask, params, args.repeats, after_round)
     base = statistics.median(times["through the adapters"])
     common.print_table(
         ["rollout", "median s", "vs through the adapters"],

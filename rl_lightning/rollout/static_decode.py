@@ -15,12 +15,12 @@ copied or converted), with:
 * attention as two batched matrix products over the filled part of the cache, grouped-query heads without
   repeating keys and values,
 * prompt padding as one additive mask row per sequence, made once, and no per-step mask building,
-* a projection with LoRA adapters (``models.adapters.add_lora``) multiplied by its effective weight, the base weight
-  with its active adapters merged (``adapters.effective_weight``, computed once per rollout and held for its
-  duration, a copy of each adapted weight: one product per token instead of the base's and the adapters' three;
-  rounding differs from the adapters' own forward by a few fp32 ulps
-  of the output, which the sampler contract's bound covers), or run through its own forward where that is not a
-  plain product (DoRA, active adapter dropout).
+* in a rollout of at least ``MERGE_MIN_STEPS`` decode steps, a projection with LoRA adapters
+  (``models.adapters.add_lora``) multiplied by its effective weight, the base weight with its active adapters merged
+  (``adapters.effective_weight``, computed once per rollout and held for its duration, a copy of each adapted weight:
+  one product per token instead of the base's and the adapters' three; rounding differs from the adapters' own
+  forward by a few fp32 ulps of the output, which the sampler contract's bound covers). In shorter rollouts, and where
+  the adapted forward is not a plain product (DoRA, active adapter dropout), the projection runs its own forward.
 
 (Fusing q/k/v and gate/up into single matrix products was measured too: on this project's CPU it was slower
 for models from 10M parameters up, and it needs a weight copy per rollout, so the projections stay separate.)
@@ -100,14 +100,21 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-def projection(layer: nn.Module) -> tuple[Tensor | None, Tensor | None, nn.Module]:
+#: the fewest decode steps for which a rollout merges LoRA adapters into effective weights: merging all of a
+#: model's adapted projections costs about what running their adapters for that many steps does
+#: (``experiments/bench_lora_decode.py`` on SmolLM2, rank 16 on seven projections: merged/through the adapters 1.05
+#: at 8 rows x 16 steps, 1.09 at 32 x 8, 0.96 at 8 x 32, 0.92 at 32 x 32)
+MERGE_MIN_STEPS = 32
+
+
+def projection(layer: nn.Module, merge: bool = True) -> tuple[Tensor | None, Tensor | None, nn.Module]:
     """How the decode step multiplies by one projection: ``(weight, bias, layer)`` with the weight to use -- a plain
-    ``nn.Linear``'s own, or a LoRA-adapted one's with its active adapters merged (``adapters.effective_weight``: what
-    its adapters add, or while they are disabled do not add, is never skipped) -- or ``weight`` ``None``: run
-    ``layer``'s own forward."""
+    ``nn.Linear``'s own, or with ``merge`` a LoRA-adapted one's with its active adapters merged
+    (``adapters.effective_weight``: what its adapters add, or while they are disabled do not add, is never skipped)
+    -- or ``weight`` ``None``: run ``layer``'s own forward."""
     if type(layer) is nn.Linear:
         return layer.weight, layer.bias, layer
-    return effective_weight(layer), layer.base_layer.bias, layer
+    return (effective_weight(layer) if merge else None), layer.base_layer.bias, layer
 
 
 def _linear(x: Tensor, proj: tuple[Tensor | None, Tensor | None, nn.Module]) -> Tensor:
@@ -130,7 +137,8 @@ class StaticDecoder:
     ``select(rows)`` keeps only some rows (finished ones leave the batch).
     """
 
-    def __init__(self, model: nn.Module, batch: int, capacity: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, model: nn.Module, batch: int, capacity: int, dtype: torch.dtype, device: torch.device,
+                 merge_adapters: bool = True):
         config = model.config
         self.model = model
         self.base = model.model
@@ -139,10 +147,11 @@ class StaticDecoder:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.scale = 1.0 / math.sqrt(self.head_dim)
         self.layers = [
-            (layer.input_layernorm, *map(projection, (layer.self_attn.q_proj, layer.self_attn.k_proj,
+            (layer.input_layernorm,
+             *(projection(p, merge_adapters) for p in (layer.self_attn.q_proj, layer.self_attn.k_proj,
                                                        layer.self_attn.v_proj, layer.self_attn.o_proj)),
              layer.post_attention_layernorm,
-             *map(projection, (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)))
+             *(projection(p, merge_adapters) for p in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)))
             for layer in self.base.layers
         ]
         self.capacity = capacity
@@ -157,7 +166,8 @@ class StaticDecoder:
         """Copy the prompt's keys/values out of the Hugging Face ``cache`` its forward returned."""
         keys, _ = _cache_tensors(cache, 0)
         batch, _, prompt_len, _ = keys.shape
-        decoder = cls(model, batch, prompt_len + max_new_tokens, keys.dtype, keys.device)
+        decoder = cls(model, batch, prompt_len + max_new_tokens, keys.dtype, keys.device,
+                      merge_adapters=max_new_tokens >= MERGE_MIN_STEPS)
         for i in range(len(decoder.layers)):
             k, v = _cache_tensors(cache, i)
             decoder.cache[i, 0, :, :, :prompt_len] = k

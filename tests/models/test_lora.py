@@ -17,6 +17,7 @@ from rl_lightning.models.adapters import (
     add_lora, adapters_disabled, effective_weight, merged_state_dict, only_adapter, policy_parameters,
 )
 from rl_lightning.models.policy import load_policy
+from rl_lightning.rollout import static_decode
 from tests.conftest import RecordBatches, RecordRollouts, tiny_datamodule, tiny_trainer
 from tests.tolerances import decoder_logprob_bound, gamma, unit_roundoff
 
@@ -184,11 +185,14 @@ def test_an_effective_weight_is_the_active_adapters_merged_and_none_where_the_fo
     assert effective_weight(projection) is None
 
 
-def test_the_sampler_generates_with_the_adapters_after_updates_and_syncs(tmp_path):
+@pytest.mark.parametrize("merge_min_steps", [10**9, 0], ids=["through-adapters", "merged-weights"])
+def test_the_sampler_generates_with_the_adapters_after_updates_and_syncs(tmp_path, monkeypatch, merge_min_steps):
     """``train/sampler_logp_diff`` (sampler vs learner log-probs of the sampled tokens) within the float32 bound at
     every step, after updates have made the adapters matter, for the engine bound to the policy and for a lagged
-    copy synced every 2 steps (steps 0 and 2 are right after a sync). The base model's log-probs are far outside
-    the bound (the negative control: a sampler that dropped the adapters would fail)."""
+    copy synced every 2 steps (steps 0 and 2 are right after a sync), with the decode step running the adapters and
+    with it multiplying by merged effective weights (``static_decode.MERGE_MIN_STEPS``). The base model's log-probs
+    are far outside the bound (the negative control: a sampler that dropped the adapters would fail)."""
+    monkeypatch.setattr(static_decode, "MERGE_MIN_STEPS", merge_min_steps)
     for interval, steps in ((1, 3), (2, 3)):
         module, record = _module(), RecordBatches()
         dm = tiny_datamodule(sync_interval=interval)

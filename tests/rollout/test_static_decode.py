@@ -138,10 +138,15 @@ def test_sampling_with_the_static_cache_equals_the_general_loop(name):
     assert (a.logprobs - b.logprobs).abs().max() <= bound  # the same tokens, other kernels: fp32 rounding
 
 
-def test_lora_adapted_projections_decode_through_their_adapters():
+@pytest.mark.parametrize("max_new_tokens", [2, 32], ids=["through-adapters", "merged-weights"])
+def test_lora_adapted_projections_decode_through_their_adapters(max_new_tokens):
     """A policy with LoRA adapters (``add_lora``, nonzero ``B`` as after training) decodes on ``StaticDecoder``:
-    the adapters' forward runs inside each projection, so the logits are the adapted model's (and, with the
+    each projection runs its adapters' forward (a short rollout) or multiplies by its weight with the active
+    adapters merged (from ``MERGE_MIN_STEPS`` decode steps), so the logits are the adapted model's (and, with the
     adapters disabled, the base model's)."""
+    from rl_lightning.rollout.static_decode import MERGE_MIN_STEPS
+
+    assert (max_new_tokens >= MERGE_MIN_STEPS) == (max_new_tokens == 32)
     from rl_lightning.models.adapters import LoraSettings, add_lora, adapters_disabled
 
     torch.manual_seed(0)
@@ -158,7 +163,10 @@ def test_lora_adapted_projections_decode_through_their_adapters():
     for disabled in (False, True):
         with torch.no_grad(), (adapters_disabled(model) if disabled else nullcontext()):
             cache, pos = _hf_prefill(model, ids, mask)
-            ours = StaticDecoder.from_prefill(model, cache, mask, max_new_tokens=2).step(token, pos)
+            decoder = StaticDecoder.from_prefill(model, cache, mask, max_new_tokens=max_new_tokens)
+            merged = [proj[0] is not None for layer in decoder.layers for proj in layer[1:5] + layer[6:]]
+            assert all(merged) if max_new_tokens == 32 else not any(merged)
+            ours = decoder.step(token, pos)
             ref = model(input_ids=token.unsqueeze(-1), attention_mask=attn, position_ids=pos, use_cache=True,
                         **{cache_argument(model): cache}).logits[:, -1]
         assert (ours - ref).abs().max() < 1e-5
