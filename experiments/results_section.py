@@ -36,6 +36,10 @@ STUDIES = (
                        "critic minibatches (running sums), SAO's band (reach)"),
     ("running_sum", "Running sums written out (long responses): GRPO, and EasyPPO and BPCO with their ablations"),
     ("smollm2_lora", "SmolLM2-135M-Instruct with LoRA adapters: GRPO on word problems, 200 test problems"),
+    ("smollm2_engine_parity", "SmolLM2-135M-Instruct with LoRA adapters: GRPO sampling through the built-in engine "
+                              "and through vLLM, one environment"),
+    ("smollm2_methods", "SmolLM2-135M-Instruct with LoRA adapters: GRPO, RLOO, PPO and EasyPPO where responses hit "
+                        "the token cap; Score Centering + IS against truncated IS under a 4-step lag"),
 )
 
 #: (method, study, arm): each method's shipped config (the arm whose stack is the config as it ships today) on the
