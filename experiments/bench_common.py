@@ -149,6 +149,24 @@ def train_trl(model: Any, tok: Any, reward: Callable[..., list[float]], rows: li
     return step_times(start, ends, warmup), trainer.state.log_history
 
 
+#: the local SmolLM2-135M-Instruct checkpoint ``experiments/smollm2.py`` builds (nothing is downloaded)
+SMOLLM2 = Path("~/.cache/rl_lightning/SmolLM2-135M-Instruct").expanduser()
+
+
+def add_model_option(p: argparse.ArgumentParser) -> None:
+    """``--model DIR``: a local Hugging Face checkpoint directory, SmolLM2-135M-Instruct's by default."""
+    p.add_argument("--model", type=Path, default=SMOLLM2,
+                   help=f"local Hugging Face checkpoint directory (default {SMOLLM2}; never downloaded)")
+
+
+def checkpoint_dir(path: Path) -> Path:
+    """``path`` expanded, or exit with the one line that says how to get a checkpoint there."""
+    path = path.expanduser()
+    if not (path / "config.json").is_file():
+        sys.exit(f"no checkpoint at {path}: build it with experiments/smollm2.py, or pass --model DIR")
+    return path
+
+
 def chat_prompt_batch(tok: Any, rows: int) -> tuple[Any, Any]:
     """The rollout benchmarks' batch: ``rows // 8`` apple word problems in ``tok``'s chat template, 8 rows each,
     left-padded (ids and attention mask)."""

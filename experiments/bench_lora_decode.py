@@ -28,19 +28,16 @@ from unittest import mock
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as common
 
-DEFAULT_MODEL = Path("~/.cache/rl_lightning/SmolLM2-135M-Instruct").expanduser()
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="local Hugging Face checkpoint directory")
+    common.add_model_option(p)
     p.add_argument("--rows", type=int, default=32, help="rows per rollout (8 per prompt)")
     p.add_argument("--tokens", type=int, default=32, help="most new tokens per row")
     p.add_argument("--repeats", type=int, default=3, help="alternating rollouts per way")
     args = p.parse_args()
-    ckpt = args.model.expanduser()
-    if not (ckpt / "config.json").is_file():
-        sys.exit(f"no checkpoint at {ckpt}: build it with experiments/smollm2.py, or pass --model DIR")
+    ckpt = common.checkpoint_dir(args.model)
 
     import copy
 

@@ -25,7 +25,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as common
 
-DEFAULT_MODEL = Path("~/.cache/rl_lightning/SmolLM2-135M-Instruct").expanduser()
 IMPLEMENTATIONS = {"python loop (CPU default)": {"foreach": False}, "foreach": {"foreach": True},
                    "fused": {"fused": True}}
 
@@ -49,13 +48,11 @@ def run(weights: list, grads: list, options: dict, steps: int) -> tuple[list[flo
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="local Hugging Face checkpoint directory")
+    common.add_model_option(p)
     p.add_argument("--steps", type=int, default=5, help="timed steps per run")
     p.add_argument("--repeats", type=int, default=3, help="alternating runs per implementation")
     args = p.parse_args()
-    ckpt = args.model.expanduser()
-    if not (ckpt / "config.json").is_file():
-        sys.exit(f"no checkpoint at {ckpt}: build it with experiments/smollm2.py, or pass --model DIR")
+    ckpt = common.checkpoint_dir(args.model)
 
     import torch
     from transformers import AutoModelForCausalLM

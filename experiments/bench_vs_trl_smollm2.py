@@ -83,7 +83,6 @@ import bench_common as common
 from bench_vs_trl_realistic import Work
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_MODEL = Path("~/.cache/rl_lightning/SmolLM2-135M-Instruct").expanduser()
 LORA = {"rank": 16, "alpha": 32.0, "dropout": 0.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 WORKLOADS = {"full": {"lr": 1e-6, "lora": False}, "lora": {"lr": 1e-4, "lora": True}}
 MATMUL_N, MATMUL_REPEATS = 2048, 5
@@ -323,8 +322,7 @@ def run_ours(workload: str, ckpt: Path, steps: int, warmup: int, prompts_per_ste
 def main() -> None:
     p = common.parser(__doc__, "workloads", WORKLOADS, 2, "timed steps per run (after warm-up)")
     p.set_defaults(warmup=1)
-    p.add_argument("--model", type=Path, default=DEFAULT_MODEL,
-                   help=f"local SmolLM2-135M-Instruct directory (default {DEFAULT_MODEL}; never downloaded)")
+    common.add_model_option(p)
     p.add_argument("--prompts", type=int, default=8, help="prompts per step")
     p.add_argument("--group", type=int, default=8, help="completions per prompt (G)")
     p.add_argument("--max-new", type=int, default=32, help="most new tokens per completion")
@@ -333,15 +331,13 @@ def main() -> None:
                    help="our update forwards every row, as TRL's (no skipping of zero-variance groups' rows)")
     p.add_argument("--workload", choices=list(WORKLOADS), help=argparse.SUPPRESS)
     args = p.parse_args()
-    ckpt = args.model.expanduser()
+    ckpt = common.checkpoint_dir(args.model)
 
     if args.worker:  # a subprocess: train, print one JSON line
         run = run_trl if args.worker == "trl" else functools.partial(run_ours, equal_work=args.equal_work)
         common.worker_report(lambda: run(args.workload, ckpt, args.steps, args.warmup, args.prompts, args.group,
                                          args.max_new))
         return
-    if not (ckpt / "config.json").is_file():
-        sys.exit(f"no checkpoint at {ckpt}: build it with experiments/smollm2.py, or pass --model DIR")
 
     import importlib.metadata as md
 

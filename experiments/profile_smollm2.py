@@ -40,7 +40,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as common
-from bench_vs_trl_smollm2 import DEFAULT_MODEL, WORKLOADS, build_ours, matmul_flops
+from bench_vs_trl_smollm2 import WORKLOADS, build_ours, matmul_flops
 
 MATRIX = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 #: operators that only dispatch to others, make views or allocate (their self time is per-call overhead)
@@ -110,16 +110,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", choices=list(WORKLOADS), default="lora")
     p.add_argument("--equal-work", action="store_true", help="our update skips no row (as TRL's)")
-    p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="local SmolLM2-135M-Instruct directory")
+    common.add_model_option(p)
     p.add_argument("--prompts", type=int, default=8, help="prompts per step")
     p.add_argument("--group", type=int, default=8, help="completions per prompt (G)")
     p.add_argument("--max-new", type=int, default=32, help="most new tokens per completion")
     p.add_argument("--warmup", type=int, default=2, help="unprofiled steps first (the last one's times are printed)")
     p.add_argument("--top", type=int, default=12, help="operators listed per phase")
     args = p.parse_args()
-    ckpt = args.model.expanduser()
-    if not (ckpt / "config.json").is_file():
-        sys.exit(f"no checkpoint at {ckpt}: build it with experiments/smollm2.py, or pass --model DIR")
+    ckpt = common.checkpoint_dir(args.model)
 
     import torch
     from lightning.pytorch import Callback

@@ -143,15 +143,20 @@ def test_merged_weights_compute_what_the_adapted_model_computes():
     assert adapter_state_dict(module.policy) and all(".lora_" in k for k in adapter_state_dict(module.policy))
 
 
-def test_a_merged_weight_is_w_plus_scaled_b_a_within_float32_rounding():
+def _merge_case() -> tuple[GRPO, torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """A policy with trained-looking adapters, its first q projection, and that projection's exact merged weight
+    ``W + (α/r) B A`` (float64) with the magnitudes the float32 sum of r products and one add rounds."""
     module = _module()
     _perturb(module.policy)
     layer = module.policy.model.layers[0].self_attn.q_proj
     w, a, b = (layer.base_layer.weight.double(), layer.lora_A["default"].weight.double(),
                layer.lora_B["default"].weight.double())
     scale = LORA.alpha / LORA.rank
-    exact = w + scale * b @ a
-    terms = w.abs() + scale * b.abs() @ a.abs()  # the magnitudes the float32 sum of r products and one add round
+    return module, layer, w + scale * b @ a, w.abs() + scale * b.abs() @ a.abs()
+
+
+def test_a_merged_weight_is_w_plus_scaled_b_a_within_float32_rounding():
+    module, _, exact, terms = _merge_case()
     got = merged_state_dict(module.policy)["model.layers.0.self_attn.q_proj.weight"].double()
     assert ((got - exact).abs() <= gamma(LORA.rank + 2) * terms + unit_roundoff()).all()
 
@@ -159,16 +164,10 @@ def test_a_merged_weight_is_w_plus_scaled_b_a_within_float32_rounding():
 def test_an_effective_weight_is_the_active_adapters_merged_and_none_where_the_forward_is_not_a_product():
     """``effective_weight``: W + (α/r) B A within the merge's float32 bound while the adapters are on, W itself
     while they are disabled, and ``None`` (run the layer's own forward) with active adapter dropout or a variant."""
-    module = _module()
-    _perturb(module.policy)
-    layer = module.policy.model.layers[0].self_attn.q_proj
-    w, a, b = (layer.base_layer.weight.double(), layer.lora_A["default"].weight.double(),
-               layer.lora_B["default"].weight.double())
-    scale = LORA.alpha / LORA.rank
-    terms = w.abs() + scale * b.abs() @ a.abs()
+    module, layer, exact, terms = _merge_case()
     got = effective_weight(layer)
     assert not got.requires_grad
-    assert ((got.double() - (w + scale * b @ a)).abs() <= gamma(LORA.rank + 2) * terms + unit_roundoff()).all()
+    assert ((got.double() - exact).abs() <= gamma(LORA.rank + 2) * terms + unit_roundoff()).all()
     x = torch.randn(3, layer.in_features, generator=torch.Generator().manual_seed(2))
     # both products approximate (W + (α/r) B A) x, each within γ(in + r + 2) of |W| |x| + (α/r) |B| |A| |x|
     bound = 2 * gamma(layer.in_features + LORA.rank + 2) * x.double().abs() @ terms.T
