@@ -119,8 +119,9 @@ def train_trl(model: Any, tok: Any, reward: Callable[..., list[float]], rows: li
               **config: Any) -> tuple[list[float], list[dict]]:
     """TRL's ``GRPOTrainer`` on ``rows`` for ``warmup + steps`` steps with the settings both benchmarks use
     (``prompts`` x ``group`` completions of at most ``max_new`` tokens, temperature 1, top-p 1, beta 0, the "grpo"
-    loss, group std scaling, one update per batch, fused AdamW at ``lr`` without weight decay, grad-norm clip 1, fp32;
-    ``config`` adds to them). Returns ``(the times of the steps after the warm-up, TRL's log history)``."""
+    loss, group std scaling, one update per batch, fused AdamW at ``lr`` without weight decay, grad-norm clip 1, fp32
+    unless ``config`` sets ``bf16=True``; ``config`` adds to them). Returns ``(the times of the steps after the
+    warm-up, TRL's log history)``."""
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -134,13 +135,13 @@ def train_trl(model: Any, tok: Any, reward: Callable[..., list[float]], rows: li
 
     with tempfile.TemporaryDirectory() as tmp:
         args = GRPOConfig(
-            output_dir=tmp, use_cpu=device == "cpu", bf16=False, fp16=False, gradient_checkpointing=False,
+            output_dir=tmp, use_cpu=device == "cpu", fp16=False, gradient_checkpointing=False,
             per_device_train_batch_size=prompts * group, num_generations=group, max_completion_length=max_new,
             temperature=1.0, top_p=1.0, top_k=0, beta=0.0, loss_type="grpo", scale_rewards="group",
             num_iterations=1, learning_rate=lr, optim="adamw_torch_fused", weight_decay=0.0, max_grad_norm=1.0,
             lr_scheduler_type="constant",
             warmup_steps=0, max_steps=warmup + steps, report_to="none", logging_steps=1, save_strategy="no",
-            disable_tqdm=True, seed=0, dataloader_num_workers=0, **config,
+            disable_tqdm=True, seed=0, dataloader_num_workers=0, **{"bf16": False, **config},
         )
         trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, processing_class=tok,
                               train_dataset=Dataset.from_list(rows), callbacks=[Timer()])
@@ -232,10 +233,10 @@ def function_reward(fn: Callable[[Any, str], float]) -> Any:
 
 def fit_ours(module: Any, datamodule: Any, *, warmup: int, steps: int, on_batch: Callable[[Any, Any, Any], None],
              on_start: Callable[[Any], None] = lambda pl_module: None, device: str = "cpu",
-             callbacks: Iterable[Any] = ()) -> list[float]:
+             callbacks: Iterable[Any] = (), precision: str = "32-true") -> list[float]:
     """Our ``Trainer.fit`` for ``warmup + steps`` steps, no validation, logging or checkpoints; ``on_start(pl_module)``
     as training starts and ``on_batch(trainer, pl_module, batch)`` after each step (``callbacks``: more Lightning
-    callbacks, after the timer). Returns the times of the steps after the warm-up."""
+    callbacks, after the timer; ``precision``: Lightning's). Returns the times of the steps after the warm-up."""
     from lightning.pytorch import Callback, Trainer
 
     ends: list[float] = []
@@ -251,7 +252,8 @@ def fit_ours(module: Any, datamodule: Any, *, warmup: int, steps: int, on_batch:
 
     trainer = Trainer(accelerator="gpu" if device == "cuda" else "cpu", devices=1, max_steps=warmup + steps,
                       logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      num_sanity_val_steps=0, limit_val_batches=0, callbacks=[Timer(), *callbacks])
+                      num_sanity_val_steps=0, limit_val_batches=0, callbacks=[Timer(), *callbacks],
+                      precision=precision)
     start = time.perf_counter()
     trainer.fit(module, datamodule=datamodule)
     return step_times(start, ends, warmup)

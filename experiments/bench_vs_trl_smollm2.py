@@ -2,15 +2,15 @@
 
     OMP_NUM_THREADS=1 /path/to/venv-with-trl/bin/python experiments/bench_vs_trl_smollm2.py
         [--workloads full lora] [--steps 2] [--warmup 1] [--repeats 2] [--model DIR] [--json out.json]
-        [--prompts 8] [--group 8] [--max-new 32] [--equal-work]
+        [--prompts 8] [--group 8] [--max-new 32] [--equal-work] [--precisions fp32 bf16]
 
 The model is a local checkpoint directory (default ``~/.cache/rl_lightning/SmolLM2-135M-Instruct``, built by
 ``experiments/smollm2.py``; nothing is downloaded). TRL comes with the ``bench`` extra (``pip install -e
 ".[bench,lora]"``).
 
-Settings, identical in both frameworks: fp32, no gradient checkpointing, no vLLM; 8 prompts x G = 8 completions of
-at most 32 new tokens (``--prompts``, ``--group``, ``--max-new``; smaller for a quick check of the script),
-temperature 1, top-p 1 (TRL ``top_k=0``); beta = 0 (no reference model); one update per batch
+Settings, identical in both frameworks: fp32 (``--precisions``: below), no gradient checkpointing, no vLLM; 8
+prompts x G = 8 completions of at most 32 new tokens (``--prompts``, ``--group``, ``--max-new``; smaller for a quick
+check of the script), temperature 1, top-p 1 (TRL ``top_k=0``); beta = 0 (no reference model); one update per batch
 (TRL ``num_iterations=1``, ours ``num_iterations=1, num_minibatches=1``), clip 0.2, seq-mean-token-mean loss (TRL
 ``loss_type="grpo"``), group std scaling; fused AdamW (TRL's default ``adamw_torch_fused``) without weight decay at
 lr 1e-6 (``full``) or 1e-4 (``lora``), grad-norm clip 1.
@@ -22,6 +22,13 @@ lr 1e-6 (``full``) or 1e-4 (``lora``), grad-norm clip 1.
 ``--equal-work``: our update forwards every row, as TRL's does (``skip_inert_rows=False``: the rows of
 zero-variance groups, whose loss and gradient are exactly zero, are not skipped); each group's prompt still runs once
 in the update and the rollout (the shared prompt forward, one of the levers measured, not a change of the work).
+
+``--precisions fp32 bf16`` runs each workload in both (``fp32`` alone by default). ``bf16``: each framework's
+bf16 autocast over fp32 weights, the CPU's bf16 matrix products where it has them (AVX512-BF16, AMX): ours
+Lightning's ``precision="bf16-mixed"`` with the rollout sampled from a bf16 copy of the policy
+(``sampling.dtype: bfloat16``, re-synchronised every step); TRL ``bf16=True`` (its generation runs under the same
+autocast). Its FLOP rates are reported against both the fp32 and the bf16 matrix-product throughput measured in the
+worker.
 
 Prompts: ``ArithmeticWordTask`` word problems with ``configs/tasks/smollm2_words.yaml``'s settings (operands 2..20,
 ``+`` and ``-``, its held-out and validation splits never drawn, seed 1234), in stream order on both sides (TRL
@@ -86,6 +93,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 LORA = {"rank": 16, "alpha": 32.0, "dropout": 0.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 WORKLOADS = {"full": {"lr": 1e-6, "lora": False}, "lora": {"lr": 1e-4, "lora": True}}
 MATMUL_N, MATMUL_REPEATS = 2048, 5
+#: per ``--precisions`` entry: our Trainer's precision, our sampler's dtype, TRL's ``bf16``
+PRECISIONS = {"fp32": ("32-true", None, False), "bf16": ("bf16-mixed", "bfloat16", True)}
 
 
 # ---------------------------------------------------------------------------------------------- shared setup
@@ -142,11 +151,12 @@ class Counts(Work):
         return self.grad, self.nograd, self.head, self.nograd_all + self.static_steps, self.generated_head
 
 
-def matmul_flops(n: int = MATMUL_N, repeats: int = MATMUL_REPEATS) -> float:
-    """fp32 ``torch.matmul`` of two ``n x n`` matrices at this process's thread count: best FLOP/s of ``repeats``."""
+def matmul_flops(n: int = MATMUL_N, repeats: int = MATMUL_REPEATS, dtype: str = "float32") -> float:
+    """``torch.matmul`` of two ``n x n`` matrices in ``dtype`` at this process's thread count: best FLOP/s of
+    ``repeats``."""
     import torch
 
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    a, b = (torch.randn(n, n, dtype=getattr(torch, dtype)) for _ in range(2))
     torch.matmul(a, b)  # warm-up
     best = float("inf")
     for _ in range(repeats):
@@ -181,8 +191,14 @@ def generation_flops(sizes: dict[str, int], positions: float, head_positions: fl
 
 
 # ---------------------------------------------------------------------------------------------- workers
+def matmul_rates(before: tuple[float, float] | None = None) -> tuple[float, float]:
+    """The fp32 and bf16 ``matmul_flops``, each the best of this measurement and ``before``."""
+    now = (matmul_flops(), matmul_flops(dtype="bfloat16"))
+    return now if before is None else (max(now[0], before[0]), max(now[1], before[1]))
+
+
 def run_trl(workload: str, ckpt: Path, steps: int, warmup: int, prompts_per_step: int, group: int,
-            max_new: int) -> dict:
+            max_new: int, precision: str = "fp32") -> dict:
     import torch
     import trl
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -216,10 +232,10 @@ def run_trl(workload: str, ckpt: Path, steps: int, warmup: int, prompts_per_step
 
     rows = [{"prompt": [{"role": "user", "content": text}], "answer": answer}
             for text, answer in prompts(prompts_per_step * (warmup + steps + 2))]
-    before = matmul_flops()
+    before = matmul_rates()
     times, log = common.train_trl(model, tok, trl_reward, rows, prompts=prompts_per_step, group=group,
-                                  max_new=max_new,
-                                  lr=spec["lr"], warmup=warmup, steps=steps, epsilon=0.2, shuffle_dataset=False)
+                                  max_new=max_new, lr=spec["lr"], warmup=warmup, steps=steps, epsilon=0.2,
+                                  shuffle_dataset=False, bf16=PRECISIONS[precision][2])
     logs = [h for h in log if "completions/mean_length" in h]
     n, per_step = len(logs), prompts_per_step * group
     rendered = [tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False)
@@ -233,14 +249,15 @@ def run_trl(workload: str, ckpt: Path, steps: int, warmup: int, prompts_per_step
         "head_positions": None,  # TRL's fused_lm_head forward uses the head's weight without calling the module
         "prompt_tokens": statistics.mean(len(tok(t, add_special_tokens=False)["input_ids"]) for t in rendered),
         "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
-        "matmul_flops": max(before, matmul_flops()),
+        "matmul_flops": matmul_rates(before),
     }
 
 
 def build_ours(workload: str, ckpt: Path, prompts_per_step: int, group: int, max_new: int, equal_work: bool,
-               batches: int) -> tuple[Any, Any]:
+               batches: int, precision: str = "fp32") -> tuple[Any, Any]:
     """Our ``GRPO`` module and data module with the module docstring's settings (``configs/grpo_smollm2.yaml``'s,
-    the shared ones overridden as TRL's), over ``batches`` steps of the benchmark's prompts."""
+    the shared ones overridden as TRL's), over ``batches`` steps of the benchmark's prompts; ``precision``'s
+    sampler dtype (``PRECISIONS``)."""
     from rl_lightning.algorithms import GRPO
     from rl_lightning.models.adapters import LoraSettings
     from rl_lightning.rollout import PromptFormat, RolloutDataModule, Sampling
@@ -258,14 +275,15 @@ def build_ours(workload: str, ckpt: Path, prompts_per_step: int, group: int, max
     module = GRPO(**model_args, optimizer=common.adamw(spec["lr"]))
     data = grouped({k: v for k, v in {**cfg["data"]["init_args"], **words}.items() if k not in ("task", "evaluation")})
     data.update(prompts_per_step=prompts_per_step, group_size=group,
-                sampling=replace(data.get("sampling", Sampling()), max_new_tokens=max_new, temperature=1.0, top_p=1.0),
+                sampling=replace(data.get("sampling", Sampling()), max_new_tokens=max_new, temperature=1.0, top_p=1.0,
+                                 dtype=PRECISIONS[precision][1]),
                 prompt_format=replace(data.get("prompt_format", PromptFormat()), add_bos=False, use_chat_template=True))
     pairs = prompts(prompts_per_step * batches)
     return module, RolloutDataModule(task=common.listed_task(pairs), reward_fn=verifier(), **data)
 
 
 def run_ours(workload: str, ckpt: Path, steps: int, warmup: int, prompts_per_step: int, group: int,
-             max_new: int, equal_work: bool = False) -> dict:
+             max_new: int, equal_work: bool = False, precision: str = "fp32") -> dict:
     import torch
 
     spec = WORKLOADS[workload]
@@ -291,10 +309,12 @@ def run_ours(workload: str, ckpt: Path, steps: int, warmup: int, prompts_per_ste
                        "grad": grad, "nograd": nograd, "head": head, "generated": generated,
                        "generated_head": generated_head})
 
-    module, datamodule = build_ours(workload, ckpt, prompts_per_step, group, max_new, equal_work, warmup + steps + 2)
-    before = matmul_flops()
-    times = common.fit_ours(module, datamodule, warmup=warmup, steps=steps, on_batch=on_batch, on_start=on_start)
-    matmul = max(before, matmul_flops())
+    module, datamodule = build_ours(workload, ckpt, prompts_per_step, group, max_new, equal_work, warmup + steps + 2,
+                                    precision)
+    before = matmul_rates()
+    times = common.fit_ours(module, datamodule, warmup=warmup, steps=steps, on_batch=on_batch, on_start=on_start,
+                            precision=PRECISIONS[precision][0])
+    matmul = matmul_rates(before)
     n, per_step = len(logged), prompts_per_step * group
     timed = logged[warmup:]
     flops = [update_flops(sizes, spec["lora"], s["grad"], s["head"]) for s in timed]
@@ -319,6 +339,16 @@ def run_ours(workload: str, ckpt: Path, steps: int, warmup: int, prompts_per_ste
 
 
 # ---------------------------------------------------------------------------------------------- report
+def own_rate(row: dict) -> str:
+    """`` (bf16 X)``: a bf16 row's bf16 matmul GFLOP/s beside the fp32 one; nothing for fp32."""
+    return f" (bf16 {row['bf16_matmul_flops'] / 1e9:.1f})" if row["precision"] == "bf16" else ""
+
+
+def own_share(row: dict, what: str) -> str:
+    """`` (bf16 X%)``: a bf16 row's ``what`` (update or generation) rate as a share of the bf16 matmul's."""
+    return f" (bf16 {100 * row[f'own_{what}_fraction']:.0f}%)" if row["precision"] == "bf16" else ""
+
+
 def main() -> None:
     p = common.parser(__doc__, "workloads", WORKLOADS, 2, "timed steps per run (after warm-up)")
     p.set_defaults(warmup=1)
@@ -329,14 +359,17 @@ def main() -> None:
     common.add_run_options(p, "alternating ours/TRL runs per workload")
     p.add_argument("--equal-work", action="store_true",
                    help="our update forwards every row, as TRL's (no skipping of zero-variance groups' rows)")
+    p.add_argument("--precisions", nargs="+", choices=list(PRECISIONS), default=["fp32"],
+                   help="run each workload in each (the module docstring's bf16)")
     p.add_argument("--workload", choices=list(WORKLOADS), help=argparse.SUPPRESS)
+    p.add_argument("--precision", choices=list(PRECISIONS), default="fp32", help=argparse.SUPPRESS)
     args = p.parse_args()
     ckpt = common.checkpoint_dir(args.model)
 
     if args.worker:  # a subprocess: train, print one JSON line
         run = run_trl if args.worker == "trl" else functools.partial(run_ours, equal_work=args.equal_work)
         common.worker_report(lambda: run(args.workload, ckpt, args.steps, args.warmup, args.prompts, args.group,
-                                         args.max_new))
+                                         args.max_new, precision=args.precision))
         return
 
     import importlib.metadata as md
@@ -358,16 +391,17 @@ def main() -> None:
           f"(ours first); {'equal work (ours skips no row)' if args.equal_work else 'ours skips inert rows'}")
     rows, everything = [], {}
     started = time.perf_counter()
-    for workload in args.workloads:
+    for workload, precision in ((w, p) for w in args.workloads for p in args.precisions):
+        label = workload if args.precisions == ["fp32"] else f"{workload} {precision}"
         runs = common.alternate(
             __file__, ("ours", "trl"), args.repeats,
             ["--workload", workload, "--model", str(ckpt), "--steps", str(args.steps), "--warmup", str(args.warmup),
              "--prompts", str(args.prompts), "--group", str(args.group), "--max-new", str(args.max_new),
-             *(["--equal-work"] if args.equal_work else [])],
-            workload,
+             "--precision", precision, *(["--equal-work"] if args.equal_work else [])],
+            label,
             lambda r: f" ({' '.join(f'{t:.1f}' for t in r['step_times'])}), peak RSS {r['peak_rss_mb']:.0f} MB, "
                       f"load {os.getloadavg()[0]:.2f}")
-        row: dict[str, Any] = {"workload": workload}
+        row: dict[str, Any] = {"workload": label, "precision": precision}
         for worker, rs in runs.items():
             row[worker] = {"s_per_step": statistics.median(t for r in rs for t in r["step_times"]),
                            "peak_rss_mb": max(r["peak_rss_mb"] for r in rs),
@@ -381,16 +415,20 @@ def main() -> None:
         row["ours"]["rollout_s"] = statistics.median(t for r in ours for t in r["rollout_times"])
         row["ours"]["update_flop_rate"] = statistics.median(f for r in ours for f in r["update_flop_rates"])
         row["ours"]["update_flops"] = statistics.median(f for r in ours for f in r["update_flops"])
-        row["matmul_flops"] = max(r["matmul_flops"] for r in ours)
+        row["matmul_flops"] = max(r["matmul_flops"][0] for r in ours)  # fp32: the issue's reference
+        row["bf16_matmul_flops"] = max(r["matmul_flops"][1] for r in ours)
+        own = row["bf16_matmul_flops"] if precision == "bf16" else row["matmul_flops"]  # the products' own dtype
         row["ours"]["generation_flop_rate"] = statistics.median(f for r in ours for f in r["generation_flop_rates"])
         row["ours"]["generation_flops"] = statistics.median(f for r in ours for f in r["generation_flops"])
         row["matmul_fraction"] = row["ours"]["update_flop_rate"] / row["matmul_flops"]
         row["generation_fraction"] = row["ours"]["generation_flop_rate"] / row["matmul_flops"]
-        row["floor_s"] = (row["ours"]["update_flops"] + row["ours"]["generation_flops"]) / row["matmul_flops"]
+        row["own_matmul_fraction"] = row["ours"]["update_flop_rate"] / own
+        row["own_generation_fraction"] = row["ours"]["generation_flop_rate"] / own
+        row["floor_s"] = (row["ours"]["update_flops"] + row["ours"]["generation_flops"]) / own
         row["floor_ratio"] = row["floor_s"] / row["trl"]["s_per_step"]
         row["ratio"] = row["ours"]["s_per_step"] / row["trl"]["s_per_step"]
         rows.append(row)
-        everything[workload] = runs
+        everything[label] = runs
 
     common.print_step_summary(started, rows, decimals=1)
     print("\nWork per step (means over all steps): rows = prompts x G; prompt = mean prompt tokens; sampled = "
@@ -412,19 +450,20 @@ def main() -> None:
          for r in rows for name, w in (("TRL", r["trl"]), ("ours", r["ours"]))))
     print("\nOur update (medians over timed steps; FLOPs by the docstring's formula; matmul: best fp32 2048 x 2048 "
           "torch.matmul")
-    print("in our workers, same thread count):")
+    print("in our workers, same thread count; a bf16 row also against the bf16 matmul's best):")
     common.print_table(
         ["workload", "ours rollout s", "ours update s", "update GFLOP", "update GFLOP/s", "matmul GFLOP/s",
          "of matmul", "generation GFLOP", "generation GFLOP/s", "of matmul"],
         ([r["workload"], f"{r['ours']['rollout_s']:.1f}", f"{r['ours']['update_s']:.1f}",
           f"{r['ours']['update_flops'] / 1e9:.0f}", f"{r['ours']['update_flop_rate'] / 1e9:.1f}",
-          f"{r['matmul_flops'] / 1e9:.1f}", f"{100 * r['matmul_fraction']:.0f}%",
+          f"{r['matmul_flops'] / 1e9:.1f}" + own_rate(r), f"{100 * r['matmul_fraction']:.0f}%" + own_share(r, "matmul"),
           f"{r['ours']['generation_flops'] / 1e9:.0f}", f"{r['ours']['generation_flop_rate'] / 1e9:.1f}",
-          f"{100 * r['generation_fraction']:.0f}%"] for r in rows))
+          f"{100 * r['generation_fraction']:.0f}%" + own_share(r, "generation")] for r in rows))
     for r in rows:
         print(f"{r['workload']}: update at {100 * r['matmul_fraction']:.0f}% and generation at "
-              f"{100 * r['generation_fraction']:.0f}% of measured matmul throughput; arithmetic floor of our step "
-              f"{r['floor_s']:.1f} s = {r['floor_ratio']:.2f} x TRL's step")
+              f"{100 * r['generation_fraction']:.0f}% of measured fp32 matmul throughput; arithmetic floor of our step "
+              f"{r['floor_s']:.1f} s = {r['floor_ratio']:.2f} x TRL's step"
+              + (" (at the bf16 matmul's rate)" if r["precision"] == "bf16" else ""))
     common.write_json(args.json, rows, everything)
 
 
