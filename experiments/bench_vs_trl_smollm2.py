@@ -26,9 +26,10 @@ in the update and the rollout (the shared prompt forward, one of the levers meas
 ``--precisions fp32 bf16`` runs each workload in both (``fp32`` alone by default). ``bf16``: each framework's
 bf16 autocast over fp32 weights, the CPU's bf16 matrix products where it has them (AVX512-BF16, AMX): ours
 Lightning's ``precision="bf16-mixed"`` with the rollout sampled from a bf16 copy of the policy
-(``sampling.dtype: bfloat16``, re-synchronised every step); TRL ``bf16=True`` (its generation runs under the same
-autocast). Its FLOP rates are reported against both the fp32 and the bf16 matrix-product throughput measured in the
-worker.
+(``sampling.dtype: bfloat16``, re-synchronised every step); TRL ``bf16=True``, whose autocast covers its loss
+computation: its generation stays fp32 (its sampled tokens and rewards equal its fp32 runs', 2026-12-07), so the two
+bf16 settings differ there. The FLOP rates of a bf16 row are reported against both the fp32 and the bf16
+matrix-product throughput measured in the worker.
 
 Prompts: ``ArithmeticWordTask`` word problems with ``configs/tasks/smollm2_words.yaml``'s settings (operands 2..20,
 ``+`` and ``-``, its held-out and validation splits never drawn, seed 1234), in stream order on both sides (TRL

@@ -1,7 +1,8 @@
 """Where one SmolLM2-135M GRPO step's time goes: the rollout and the update under ``torch.profiler``, by operator.
 
     OMP_NUM_THREADS=1 .venv/bin/python experiments/profile_smollm2.py [--workload lora|full] [--equal-work]
-        [--prompts 8] [--group 8] [--max-new 32] [--warmup 1] [--model DIR] [--top 12]
+        [--prompts 8] [--group 8] [--max-new 32] [--warmup 1] [--model DIR] [--top 12] [--precision fp32|bf16]
+        [--trace aten::fill_]
 
 The step is ``bench_vs_trl_smollm2.py``'s (the same module, data and settings, ``build_ours``): after ``--warmup``
 unprofiled steps, the next step's rollout (from the end of the previous step to the start of this one: the data
@@ -25,6 +26,10 @@ time by kind, as a share of the wall time:
   time with the unprofiled step before it, printed too);
 
 then the operators with the most self time, and the matrix products by input shapes with the rate each ran at.
+``--trace OP`` (e.g. ``aten::fill_``) records Python stacks too and prints, per phase, where ``OP``'s self time
+comes from: its calls grouped by input shapes and the innermost frames of the Python stack that called them
+(operators of the backward run in autograd's own thread, without a Python frame: their shapes say where they are).
+``--precision bf16``: ``bench_vs_trl_smollm2.py``'s bf16 (bf16-mixed update, bf16 sampler copy).
 Read the shares and rates, not the absolute times; time steps with ``bench_vs_trl_smollm2.py``, which runs
 unprofiled.
 """
@@ -32,6 +37,7 @@ unprofiled.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from collections import defaultdict
@@ -40,7 +46,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as common
-from bench_vs_trl_smollm2 import WORKLOADS, build_ours, matmul_flops
+from bench_vs_trl_smollm2 import PRECISIONS, WORKLOADS, build_ours, matmul_flops
 
 MATRIX = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 #: operators that only dispatch to others, make views or allocate (their self time is per-call overhead)
@@ -64,6 +70,12 @@ KINDS = (
 OPTIMISER = "Optimizer.step"
 
 
+def is_python(event: Any) -> bool:
+    """An event of the Python tracer (recorded with ``with_stack=True``: ``file.py(line): function``, ``<built-in
+    method ...>``), not an operator: its time overlaps the operators it calls, so it is left out of every sum."""
+    return event.name.startswith("<built-in") or re.search(r"\.py\(\d+\): ", event.name) is not None
+
+
 def kind(event: Any) -> str:
     """The kind of a profiler event: ``optimiser`` when it runs inside the optimiser's step, else ``KINDS``' first
     match for its name (``other`` for non-ATen events)."""
@@ -82,6 +94,8 @@ def summarise(prof: Any, wall: float) -> tuple[dict[str, float], float, float, l
     per_op: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0])
     flops = matrix_s = 0.0
     for event in prof.events():
+        if is_python(event):
+            continue
         seconds, label = event.self_cpu_time_total / 1e6, kind(event)
         by_kind[label] += seconds
         per_op[event.name, label][0] += 1
@@ -106,6 +120,27 @@ def products(prof: Any, top: int) -> list[tuple[str, str, int, float, float]]:
     return sorted(rows, key=lambda row: -row[3])[:top]
 
 
+def traced(prof: Any, op: str, top: int, frames: int = 6) -> list[tuple[str, int, float, str]]:
+    """``op``'s calls with the most self time, grouped by input shapes and by the ``frames`` innermost Python frames
+    of the stack that called them (the Python tracer's events above it, recorded with ``with_stack=True``):
+    (shapes, calls, self seconds, stack)."""
+    groups: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0])
+    for event in prof.events():
+        if event.name != op:
+            continue
+        stack, caller = [], event.cpu_parent
+        while caller is not None and len(stack) < frames:
+            if is_python(caller) and not caller.name.startswith("<built-in"):
+                stack.append(caller.name.split("/")[-1])
+            caller = caller.cpu_parent
+        shapes = " x ".join(str(list(s)) for s in event.input_shapes if s)
+        where = " <- ".join(stack) or "(no Python frame: autograd's thread)"
+        groups[shapes, where][0] += 1
+        groups[shapes, where][1] += event.self_cpu_time_total / 1e6
+    rows = [(shapes, int(calls), seconds, where) for (shapes, where), (calls, seconds) in groups.items()]
+    return sorted(rows, key=lambda row: -row[2])[:top]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", choices=list(WORKLOADS), default="lora")
@@ -116,6 +151,9 @@ def main() -> None:
     p.add_argument("--max-new", type=int, default=32, help="most new tokens per completion")
     p.add_argument("--warmup", type=int, default=2, help="unprofiled steps first (the last one's times are printed)")
     p.add_argument("--top", type=int, default=12, help="operators listed per phase")
+    p.add_argument("--precision", choices=list(PRECISIONS), default="fp32",
+                   help="bench_vs_trl_smollm2.py's precisions: bf16 = bf16-mixed update and a bf16 sampler copy")
+    p.add_argument("--trace", metavar="OP", help="also print where OP's self time comes from (Python stacks)")
     args = p.parse_args()
     ckpt = common.checkpoint_dir(args.model)
 
@@ -128,7 +166,8 @@ def main() -> None:
     running: dict[str, tuple[Any, float]] = {}
 
     def start(name: str) -> None:
-        prof = profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_flops=True)
+        prof = profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_flops=True,
+                       with_stack=args.trace is not None)
         prof.start()
         running[name] = (prof, time.perf_counter())
 
@@ -157,11 +196,12 @@ def main() -> None:
     print(common.machine_line())
     print(f"model: {ckpt}; {args.workload}; {args.prompts} prompts x G {args.group}, at most {args.max_new} new "
           f"tokens; {'equal work (no row skipped)' if args.equal_work else 'inert rows skipped'}; "
-          f"{args.warmup} unprofiled step(s), then one profiled step")
+          f"{args.warmup} unprofiled step(s), then one profiled step; {args.precision}")
     module, datamodule = build_ours(args.workload, ckpt, args.prompts, args.group, args.max_new, args.equal_work,
-                                    args.warmup + 3)
+                                    args.warmup + 3, args.precision)
     before = matmul_flops()
-    common.fit_ours(module, datamodule, warmup=args.warmup, steps=1, on_batch=lambda *a: None, callbacks=[Phases()])
+    common.fit_ours(module, datamodule, warmup=args.warmup, steps=1, on_batch=lambda *a: None, callbacks=[Phases()],
+                    precision=PRECISIONS[args.precision][0])
     peak = max(before, matmul_flops())
     print(f"fp32 matmul (2048 x 2048, {torch.get_num_threads()} thread(s)): {peak / 1e9:.1f} GFLOP/s")
     for name in ("rollout", "update"):
@@ -183,6 +223,11 @@ def main() -> None:
         common.print_table(["matrix product", "input shapes", "calls", "self s", "GFLOP/s", "of matmul"],
                            ([op, shapes, str(calls), f"{s:.2f}", f"{rate / 1e9:.1f}", f"{100 * rate / peak:.0f}%"]
                             for op, shapes, calls, s, rate in products(prof, args.top)))
+        if args.trace:
+            print()
+            common.print_table([f"{args.trace}: input shapes", "calls", "self s", "Python stack (innermost first)"],
+                               ([shapes, str(calls), f"{s:.3f}", stack]
+                                for shapes, calls, s, stack in traced(prof, args.trace, args.top)))
 
 
 if __name__ == "__main__":

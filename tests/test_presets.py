@@ -114,6 +114,34 @@ def test_cpu_bf16_preset_keeps_fp32_weights_and_samples_from_a_bf16_copy(tmp_pat
     assert fp32 < diff < 0.1, (fp32, diff)
 
 
+def test_bf16_on_a_cpu_without_native_bf16_products_is_named_in_one_warning(monkeypatch):
+    from rl_lightning.algorithms import checks
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(checks, "native_bf16", lambda: False)
+    with pytest.warns(UserWarning) as seen:
+        message = checks.warn_emulated_bf16(cpu, "bf16-mixed", "float32", "bfloat16")
+    assert [str(w.message) for w in seen] == [message] and "\n" not in message
+    assert message.startswith("trainer.precision: bf16-mixed, data.init_args.sampling.dtype: bfloat16 on a CPU without")
+    assert "model.init_args.dtype" in checks.warn_emulated_bf16(cpu, "32-true", "bfloat16", None)
+    assert checks.warn_emulated_bf16(cpu, "32-true", "float32", None) is None  # nothing in bf16
+    assert checks.warn_emulated_bf16(gpu, "bf16-mixed", "bfloat16", "bfloat16") is None  # not a CPU
+    monkeypatch.setattr(checks, "native_bf16", lambda: True)
+    assert checks.warn_emulated_bf16(cpu, "bf16-mixed", "bfloat16", "bfloat16") is None  # native products
+
+
+def test_a_fit_with_the_cpu_bf16_preset_warns_where_bf16_is_emulated(tmp_path, monkeypatch):
+    from rl_lightning.algorithms import checks
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(checks, "native_bf16", lambda: False)
+    cli = build_cli([*stacked("cpu-bf16"), "--trainer.max_steps", "1", "--trainer.logger", "false",
+                     "--trainer.enable_checkpointing", "false", "--trainer.limit_val_batches", "0",
+                     "--trainer.callbacks", "[]", f"--trainer.default_root_dir={tmp_path}"], run=False)
+    with pytest.warns(UserWarning, match="sampling.dtype: bfloat16 on a CPU without native bf16"):
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+
+
 def test_fsdp_preset_builds_fsdp2_over_every_device():
     """The preset is FSDP2 through ModelParallelStrategy (what tests/test_fsdp.py runs on CPU), with full-file
     checkpoints; the blocks it shards (the policy's _no_split_modules) are classes the embedded policy contains."""

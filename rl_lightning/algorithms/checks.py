@@ -2,7 +2,8 @@
 update refuses a non-finite loss or gradient (``NonFiniteLossError``, before any optimiser step); ``check_hook_output``:
 the one way the base refuses a hook's output of the wrong shape, naming the hook and the shape it expected (a
 ``[n]`` objective where ``[n, T]`` belongs would otherwise broadcast, silently when ``n == T``); ``build_optimizer``
-and ``clip_gradients``: the optimiser's groups and the gradient clip over them.
+and ``clip_gradients``: the optimiser's groups and the gradient clip over them; ``warn_emulated_bf16``: one line
+when a CPU run asks for bf16 products the CPU does not compute natively.
 
 Each rule is ``(field, value, valid, rule)``; the first invalid one raises ``ConfigError("<Class>: <field> <rule>,
 got <value>")`` (a ``ValueError``), which the CLI reports in one line with the config file and line of the field
@@ -128,3 +129,25 @@ def warn_misspelt_hooks(cls: type) -> None:
             warnings.warn(f"{cls.__qualname__}.{name} is not a hook of {cls.__mro__[1].__name__}; did you mean "
                           f"{close[0]}? (as written it is never called, and the parent's {close[0]} runs)",
                           stacklevel=3)
+
+
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (oneDNN: AVX512-BF16 or AMX, within ``ONEDNN_MAX_CPU_ISA``)."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def warn_emulated_bf16(device: torch.device, precision: str, policy_dtype: str | None,
+                       sampler_dtype: str | None) -> str | None:
+    """On a CPU without native bf16 products (``native_bf16``), warn in one line, naming the settings, when a run asks
+    for bf16 arithmetic: ``trainer.precision`` ``bf16-*``, ``model.init_args.dtype: bfloat16`` or
+    ``data.init_args.sampling.dtype: bfloat16``; oneDNN then emulates the products, far slower than fp32. Returns the
+    warning (``None``: nothing to say)."""
+    asked = [name for name, on in (("trainer.precision: " + str(precision), str(precision).startswith("bf16")),
+                                   ("model.init_args.dtype: bfloat16", policy_dtype == "bfloat16"),
+                                   ("data.init_args.sampling.dtype: bfloat16", sampler_dtype == "bfloat16")) if on]
+    if device.type != "cpu" or not asked or native_bf16():
+        return None
+    message = (f"{', '.join(asked)} on a CPU without native bf16 matrix products (no AVX512-BF16 or AMX for oneDNN): "
+               "they are emulated, far slower than float32: use float32 on this CPU (configs/presets/cpu-bf16.yaml says why)")
+    warnings.warn(message, stacklevel=2)
+    return message
