@@ -148,6 +148,6 @@ def warn_emulated_bf16(device: torch.device, precision: str, policy_dtype: str |
     if device.type != "cpu" or not asked or native_bf16():
         return None
     message = (f"{', '.join(asked)} on a CPU without native bf16 matrix products (no AVX512-BF16 or AMX for oneDNN): "
-               "they are emulated, far slower than float32: use float32 on this CPU (configs/presets/cpu-bf16.yaml says why)")
+               "they are emulated, far slower than float32: use float32 on this CPU (configs/presets/cpu-bf16.yaml)")
     warnings.warn(message, stacklevel=2)
     return message
