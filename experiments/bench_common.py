@@ -116,12 +116,13 @@ def adamw(lr: float) -> Callable[[Any], Any]:
 
 def train_trl(model: Any, tok: Any, reward: Callable[..., list[float]], rows: list[dict], *, prompts: int,
               group: int, max_new: int, lr: float, warmup: int, steps: int, device: str = "cpu",
-              **config: Any) -> tuple[list[float], list[dict]]:
+              micro_batch: int | None = None, **config: Any) -> tuple[list[float], list[dict]]:
     """TRL's ``GRPOTrainer`` on ``rows`` for ``warmup + steps`` steps with the settings both benchmarks use
     (``prompts`` x ``group`` completions of at most ``max_new`` tokens, temperature 1, top-p 1, beta 0, the "grpo"
     loss, group std scaling, one update per batch, fused AdamW at ``lr`` without weight decay, grad-norm clip 1, fp32
-    unless ``config`` sets ``bf16=True``; ``config`` adds to them). Returns ``(the times of the steps after the
-    warm-up, TRL's log history)``."""
+    unless ``config`` sets ``bf16=True``; ``config`` adds to them; ``micro_batch``: the update in micro-batches of
+    that many rows, ``per_device_train_batch_size`` with gradient accumulation over the one generation of
+    ``prompts x group`` rows). Returns ``(the times of the steps after the warm-up, TRL's log history)``."""
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -136,7 +137,9 @@ def train_trl(model: Any, tok: Any, reward: Callable[..., list[float]], rows: li
     with tempfile.TemporaryDirectory() as tmp:
         args = GRPOConfig(
             output_dir=tmp, use_cpu=device == "cpu", fp16=False, gradient_checkpointing=False,
-            per_device_train_batch_size=prompts * group, num_generations=group, max_completion_length=max_new,
+            per_device_train_batch_size=micro_batch or prompts * group,
+            gradient_accumulation_steps=prompts * group // (micro_batch or prompts * group), num_generations=group,
+            max_completion_length=max_new,
             temperature=1.0, top_p=1.0, top_k=0, beta=0.0, loss_type="grpo", scale_rewards="group",
             num_iterations=1, learning_rate=lr, optim="adamw_torch_fused", weight_decay=0.0, max_grad_norm=1.0,
             lr_scheduler_type="constant",

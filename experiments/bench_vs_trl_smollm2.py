@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 /path/to/venv-with-trl/bin/python experiments/bench_vs_trl_smollm2.py
         [--workloads full lora] [--steps 2] [--warmup 1] [--repeats 2] [--model DIR] [--json out.json]
-        [--prompts 8] [--group 8] [--max-new 32] [--equal-work] [--precisions fp32 bf16]
+        [--prompts 8] [--group 8] [--max-new 32] [--equal-work] [--precisions fp32 bf16] [--micro-batch 16]
 
 The model is a local checkpoint directory (default ``~/.cache/rl_lightning/SmolLM2-135M-Instruct``, built by
 ``experiments/smollm2.py``; nothing is downloaded). TRL comes with the ``bench`` extra (``pip install -e
@@ -30,6 +30,10 @@ Lightning's ``precision="bf16-mixed"`` with the rollout sampled from a bf16 copy
 computation: its generation stays fp32 (its sampled tokens and rewards equal its fp32 runs', 2026-12-07), so the two
 bf16 settings differ there. The FLOP rates of a bf16 row are reported against both the fp32 and the bf16
 matrix-product throughput measured in the worker.
+
+``--micro-batch N``: both updates in micro-batches of ``N`` rows with their gradients accumulated into the one
+optimiser step (ours ``micro_batch_size``; TRL ``per_device_train_batch_size=N`` with ``gradient_accumulation_steps``
+covering the one generation of prompts x G rows): the same update in less memory (default: the whole batch at once).
 
 Prompts: ``ArithmeticWordTask`` word problems with ``configs/tasks/smollm2_words.yaml``'s settings (operands 2..20,
 ``+`` and ``-``, its held-out and validation splits never drawn, seed 1234), in stream order on both sides (TRL
@@ -199,7 +203,7 @@ def matmul_rates(before: tuple[float, float] | None = None) -> tuple[float, floa
 
 
 def run_trl(workload: str, ckpt: Path, steps: int, warmup: int, prompts_per_step: int, group: int,
-            max_new: int, precision: str = "fp32") -> dict:
+            max_new: int, precision: str = "fp32", micro_batch: int | None = None) -> dict:
     import torch
     import trl
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -236,7 +240,7 @@ def run_trl(workload: str, ckpt: Path, steps: int, warmup: int, prompts_per_step
     before = matmul_rates()
     times, log = common.train_trl(model, tok, trl_reward, rows, prompts=prompts_per_step, group=group,
                                   max_new=max_new, lr=spec["lr"], warmup=warmup, steps=steps, epsilon=0.2,
-                                  shuffle_dataset=False, bf16=PRECISIONS[precision][2])
+                                  shuffle_dataset=False, bf16=PRECISIONS[precision][2], micro_batch=micro_batch)
     logs = [h for h in log if "completions/mean_length" in h]
     n, per_step = len(logs), prompts_per_step * group
     rendered = [tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False)
@@ -255,10 +259,10 @@ def run_trl(workload: str, ckpt: Path, steps: int, warmup: int, prompts_per_step
 
 
 def build_ours(workload: str, ckpt: Path, prompts_per_step: int, group: int, max_new: int, equal_work: bool,
-               batches: int, precision: str = "fp32") -> tuple[Any, Any]:
+               batches: int, precision: str = "fp32", micro_batch: int | None = None) -> tuple[Any, Any]:
     """Our ``GRPO`` module and data module with the module docstring's settings (``configs/grpo_smollm2.yaml``'s,
     the shared ones overridden as TRL's), over ``batches`` steps of the benchmark's prompts; ``precision``'s
-    sampler dtype (``PRECISIONS``)."""
+    sampler dtype (``PRECISIONS``); the update in micro-batches of ``micro_batch`` rows (``None``: all at once)."""
     from rl_lightning.algorithms import GRPO
     from rl_lightning.models.adapters import LoraSettings
     from rl_lightning.rollout import PromptFormat, RolloutDataModule, Sampling
@@ -270,7 +274,8 @@ def build_ours(workload: str, ckpt: Path, prompts_per_step: int, group: int, max
     model_args = {k: v for k, v in cfg["model"]["init_args"].items() if k != "optimizer"}  # configs/grpo_smollm2.yaml
     model_args.update(model_name_or_path=str(ckpt), dtype="float32", num_iterations=1, num_minibatches=1,
                       clip_eps_low=0.2, clip_eps_high=0.2, scale_rewards=True, max_grad_norm=1.0,
-                      loss_aggregation="seq_mean_token_mean", skip_inert_rows=not equal_work)
+                      loss_aggregation="seq_mean_token_mean", skip_inert_rows=not equal_work,
+                      micro_batch_size=micro_batch)
     if spec["lora"]:
         model_args["lora"] = LoraSettings(**LORA)
     module = GRPO(**model_args, optimizer=common.adamw(spec["lr"]))
@@ -284,7 +289,7 @@ def build_ours(workload: str, ckpt: Path, prompts_per_step: int, group: int, max
 
 
 def run_ours(workload: str, ckpt: Path, steps: int, warmup: int, prompts_per_step: int, group: int,
-             max_new: int, equal_work: bool = False, precision: str = "fp32") -> dict:
+             max_new: int, equal_work: bool = False, precision: str = "fp32", micro_batch: int | None = None) -> dict:
     import torch
 
     spec = WORKLOADS[workload]
@@ -311,7 +316,7 @@ def run_ours(workload: str, ckpt: Path, steps: int, warmup: int, prompts_per_ste
                        "generated_head": generated_head})
 
     module, datamodule = build_ours(workload, ckpt, prompts_per_step, group, max_new, equal_work, warmup + steps + 2,
-                                    precision)
+                                    precision, micro_batch)
     before = matmul_rates()
     times = common.fit_ours(module, datamodule, warmup=warmup, steps=steps, on_batch=on_batch, on_start=on_start,
                             precision=PRECISIONS[precision][0])
@@ -362,6 +367,7 @@ def main() -> None:
                    help="our update forwards every row, as TRL's (no skipping of zero-variance groups' rows)")
     p.add_argument("--precisions", nargs="+", choices=list(PRECISIONS), default=["fp32"],
                    help="run each workload in each (the module docstring's bf16)")
+    p.add_argument("--micro-batch", type=int, help="both updates in micro-batches of this many rows")
     p.add_argument("--workload", choices=list(WORKLOADS), help=argparse.SUPPRESS)
     p.add_argument("--precision", choices=list(PRECISIONS), default="fp32", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -370,7 +376,7 @@ def main() -> None:
     if args.worker:  # a subprocess: train, print one JSON line
         run = run_trl if args.worker == "trl" else functools.partial(run_ours, equal_work=args.equal_work)
         common.worker_report(lambda: run(args.workload, ckpt, args.steps, args.warmup, args.prompts, args.group,
-                                         args.max_new, precision=args.precision))
+                                         args.max_new, precision=args.precision, micro_batch=args.micro_batch))
         return
 
     import importlib.metadata as md
@@ -389,7 +395,8 @@ def main() -> None:
     print(f"code: {code.strip()}; uncommitted changes in: {', '.join(dirty) or 'none'}")
     print(f"model: {ckpt}; {args.prompts} prompts x G {args.group}, at most {args.max_new} new tokens; "
           f"{args.warmup} warm-up + {args.steps} timed steps per run; {args.repeats} alternating runs per framework "
-          f"(ours first); {'equal work (ours skips no row)' if args.equal_work else 'ours skips inert rows'}")
+          f"(ours first); {'equal work (ours skips no row)' if args.equal_work else 'ours skips inert rows'}"
+          + (f"; updates in micro-batches of {args.micro_batch} rows" if args.micro_batch else ""))
     rows, everything = [], {}
     started = time.perf_counter()
     for workload, precision in ((w, p) for w in args.workloads for p in args.precisions):
@@ -398,7 +405,8 @@ def main() -> None:
             __file__, ("ours", "trl"), args.repeats,
             ["--workload", workload, "--model", str(ckpt), "--steps", str(args.steps), "--warmup", str(args.warmup),
              "--prompts", str(args.prompts), "--group", str(args.group), "--max-new", str(args.max_new),
-             "--precision", precision, *(["--equal-work"] if args.equal_work else [])],
+             "--precision", precision, *(["--equal-work"] if args.equal_work else []),
+             *(["--micro-batch", str(args.micro_batch)] if args.micro_batch else [])],
             label,
             lambda r: f" ({' '.join(f'{t:.1f}' for t in r['step_times'])}), peak RSS {r['peak_rss_mb']:.0f} MB, "
                       f"load {os.getloadavg()[0]:.2f}")
