@@ -31,7 +31,9 @@ gets the kernel set's environment (``PINS``: PyTorch's own kernels by ``ATEN_CPU
 (``OMP_NUM_THREADS``, ``MKL_NUM_THREADS``). A later ``run`` with other code (a changed tree, or uncommitted changes
 under those folders), another kernel set, thread count or virtual environment is refused: one study, one
 setup. ``avx2`` is the default
-because every x86 machine of this kind has it (AVX-512 machines run its kernels too). The CPU model is recorded
+because every x86 machine of this kind has it (AVX-512 machines run its kernels too); ``avx512_bf16`` is ``avx512``
+with oneDNN's native bf16 products (a study of bf16 arithmetic: under the others oneDNN emulates bf16), refused on a
+CPU without AVX512-BF16, as ``avx512`` is without AVX-512. The CPU model is recorded
 per run but not enforced: the pins do not make two CPU models agree bit for bit (an Intel Xeon and an AMD EPYC
 differ from step 0 in the last digits), yet a study continued over sessions may land on another model, and each
 seed stays an independent sample of the same setup. The report names every run made on another CPU model than the
@@ -83,9 +85,14 @@ PINS: dict[str, dict[str, str]] = {
              "ONEDNN_MAX_CPU_ISA": "AVX2"},
     "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "MKL_CBWR": "AVX512", "MKL_ENABLE_INSTRUCTIONS": "AVX512",
                "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"},
+    # avx512 with oneDNN's native bf16 products (bf16 autocast, a bf16 sampler): only on a CPU with AVX512-BF16
+    "avx512_bf16": {"ATEN_CPU_CAPABILITY": "avx512", "MKL_CBWR": "AVX512", "MKL_ENABLE_INSTRUCTIONS": "AVX512",
+                    "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
     "default": {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
                 "ONEDNN_MAX_CPU_ISA": "SSE41"},
 }
+#: the CPU flag (``/proc/cpuinfo``) a kernel set needs beyond x86-64's AVX2
+NEEDS_FLAG = {"avx512": "avx512f", "avx512_bf16": "avx512_bf16"}
 SEED_KEYS = (("seed_everything",), ("data", "init_args", "seed"), ("model", "init_args", "seed"))
 IGNORED_KEYS = (("trainer", "logger", "init_args", "save_dir"), ("trainer", "logger", "init_args", "name"),
                 ("trainer", "logger", "init_args", "version"), ("ckpt_path",))
@@ -194,6 +201,17 @@ def _git(*args: str) -> str:
     return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (``/proc/cpuinfo``; empty where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
 def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -229,13 +247,13 @@ def venv_versions(study: Study) -> dict[str, str]:
 
 
 def current_setup(study: Study) -> dict[str, Any]:
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    flags = cpu_flags()
     versions = venv_versions(study)
     return {
         "commit": _git("rev-parse", "HEAD"),
         "trees": {tree: _git("rev-parse", f"HEAD:{tree}") for tree in CODE_TREES},
         "kernel": study.kernel, "pins": PINS[study.kernel], "threads": study.threads, "venv": study.venv,
-        "cpu": cpu_model(), "cpu_avx512": " avx512f" in flags, "cpu_amx": " amx_bf16" in flags,
+        "cpu": cpu_model(), "cpu_avx512": "avx512f" in flags, "cpu_amx": "amx_bf16" in flags,
         "torch": versions.get("torch"), "python": versions["python"],
         "packages": {k: v for k, v in versions.items() if k != "python"},
         "recorded": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -245,6 +263,9 @@ def current_setup(study: Study) -> dict[str, Any]:
 def check_setup(study: Study, restart: bool = False, allow_dirty: bool = False) -> dict[str, Any]:
     """The study's pinned setup: recorded on the first run, refused when this checkout or setting differs.
     ``allow_dirty`` (tests, trial runs) accepts uncommitted code and says so in the setup and the report."""
+    flag = NEEDS_FLAG.get(study.kernel)
+    if flag and flag not in cpu_flags():
+        raise StudyError(f"setup.kernel: {study.kernel} needs a CPU with {flag}, which this one ({cpu_model()}) lacks")
     dirty = _git("status", "--porcelain", "--", *CODE_TREES)
     if dirty and not allow_dirty:
         raise StudyError(f"uncommitted changes under {', '.join(CODE_TREES)} ({len(dirty.splitlines())} paths): a "

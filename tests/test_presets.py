@@ -130,6 +130,22 @@ def test_bf16_on_a_cpu_without_native_bf16_products_is_named_in_one_warning(monk
     assert checks.warn_emulated_bf16(cpu, "bf16-mixed", "bfloat16", "bfloat16") is None  # native products
 
 
+@pytest.mark.parametrize("cap, native", [(None, True), ("ALL", True), ("avx512_core_bf16", True),
+                                         ("AVX512_CORE_AMX", True), ("AVX512_CORE", False), ("AVX2", False)])
+def test_native_bf16_follows_the_cpu_and_onednns_instruction_set_cap(cap, native, monkeypatch):
+    from rl_lightning.algorithms import checks
+
+    if cap is None:
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    else:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    assert checks.native_bf16() is native
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    assert checks.native_bf16() is False  # no bf16 instructions, whatever the cap
+
+
 def test_a_fit_with_the_cpu_bf16_preset_warns_where_bf16_is_emulated(tmp_path, monkeypatch):
     from rl_lightning.algorithms import checks
 

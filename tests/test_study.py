@@ -137,6 +137,22 @@ def test_a_study_refuses_another_kernel_set_or_thread_count(tmp_path, capsys):
     assert "kernel=avx2" in message and "kernel=avx512" in message and "threads=1" in message
 
 
+def test_a_kernel_set_the_cpu_lacks_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    study = S.load_study(_write_study(tmp_path / "s"))
+    study.kernel = "avx512_bf16"
+    monkeypatch.setattr(S, "cpu_flags", lambda: {"avx2", "avx512f"})
+    with pytest.raises(SystemExit) as err:
+        S.check_setup(study, allow_dirty=True)
+    message = capsys.readouterr().err.strip()
+    assert err.value.code == 2 and "\n" not in message
+    assert message.startswith("study.py: setup.kernel: avx512_bf16 needs a CPU with avx512_bf16")
+    assert not (study.folder / "setup.json").exists()  # nothing recorded
+    monkeypatch.setattr(S, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
+    setup = S.check_setup(study, allow_dirty=True)
+    pins = setup["pins"]
+    assert pins["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE_BF16" and pins["ATEN_CPU_CAPABILITY"] == "avx512"
+
+
 def test_each_run_gets_the_pinned_environment():
     study = S.Study(Path("x"), "t", "test", [0], 3, "a", "avx2", 1, {})
     env = S.run_env(study)

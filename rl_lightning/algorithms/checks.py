@@ -13,6 +13,7 @@ got <value>")`` (a ``ValueError``), which the CLI reports in one line with the c
 from __future__ import annotations
 
 import difflib
+import os
 import warnings
 from typing import Any, Iterable, Literal
 
@@ -131,16 +132,23 @@ def warn_misspelt_hooks(cls: type) -> None:
                           stacklevel=3)
 
 
+#: oneDNN instruction-set caps (``ONEDNN_MAX_CPU_ISA``) that keep its native bf16 products
+_BF16_ISAS = ("AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX", "AVX10", "ALL", "DEFAULT")
+
+
 def native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 natively (oneDNN: AVX512-BF16 or AMX, within ``ONEDNN_MAX_CPU_ISA``)."""
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    """Whether oneDNN multiplies bf16 natively here: the CPU has AVX512-BF16 or AMX, and ``ONEDNN_MAX_CPU_ISA`` (if
+    set) does not cap oneDNN below them (under ``AVX512_CORE`` it emulates bf16 with AVX-512, under ``AVX2``
+    without)."""
+    cpu = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return bool(cpu) and os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper().startswith(_BF16_ISAS)
 
 
 def warn_emulated_bf16(device: torch.device, precision: str, policy_dtype: str | None,
                        sampler_dtype: str | None) -> str | None:
     """On a CPU without native bf16 products (``native_bf16``), warn in one line, naming the settings, when a run asks
     for bf16 arithmetic: ``trainer.precision`` ``bf16-*``, ``model.init_args.dtype: bfloat16`` or
-    ``data.init_args.sampling.dtype: bfloat16``; oneDNN then emulates the products, far slower than fp32. Returns the
+    ``data.init_args.sampling.dtype: bfloat16``; oneDNN then emulates the products, slower than fp32. Returns the
     warning (``None``: nothing to say)."""
     asked = [name for name, on in (("trainer.precision: " + str(precision), str(precision).startswith("bf16")),
                                    ("model.init_args.dtype: bfloat16", policy_dtype == "bfloat16"),
@@ -148,6 +156,6 @@ def warn_emulated_bf16(device: torch.device, precision: str, policy_dtype: str |
     if device.type != "cpu" or not asked or native_bf16():
         return None
     message = (f"{', '.join(asked)} on a CPU without native bf16 matrix products (no AVX512-BF16 or AMX for oneDNN): "
-               "they are emulated, far slower than float32: use float32 on this CPU (configs/presets/cpu-bf16.yaml)")
+               "they are emulated, slower than float32: use float32 on this CPU (configs/presets/cpu-bf16.yaml)")
     warnings.warn(message, stacklevel=2)
     return message
