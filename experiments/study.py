@@ -447,24 +447,22 @@ def export_run(study: Study, arm: str, seed: int, digest: str) -> Path:
     return out
 
 
-def plan(study: Study, arms: list[str]) -> list[tuple[Arm, int, str, int]]:
-    """(arm, seed, hash, max_steps) of every run asked for."""
+def plan(study: Study, arms: list[str], seeds: list[int] | None = None) -> list[tuple[Arm, int, str, int]]:
+    """(arm, seed, hash, max_steps) of every run asked for (``seeds``: these of the study's seeds; default all)."""
     runs = []
     for name in arms:
         config = resolved_config(study, study.arms[name])
         max_steps = int(config["trainer"]["max_steps"])
-        runs += [(study.arms[name], seed, config_hash(config, seed), max_steps) for seed in study.seeds]
+        runs += [(study.arms[name], seed, config_hash(config, seed), max_steps) for seed in seeds or study.seeds]
     return runs
 
 
 def command_run(study: Study, arms: list[str], seeds: list[int] | None, restart: bool,
                 allow_dirty: bool = False) -> None:
-    setup = check_setup(study, restart, allow_dirty)
-    if seeds:
-        study.seeds = seeds
+    setup = check_setup(study, restart, allow_dirty)  # ``seeds`` choose the runs; the report after it has all
     print(f"study {study.name}: commit {setup['commit'][:10]}, kernel {study.kernel}, {study.threads} thread(s), "
           f"{setup['cpu']}", flush=True)
-    for arm, seed, digest, max_steps in plan(study, arms):
+    for arm, seed, digest, max_steps in plan(study, arms, seeds):
         if is_exported(study, arm.name, seed, digest):
             print(f"== {arm.name} seed {seed} ({digest}): done", flush=True)
             continue

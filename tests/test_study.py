@@ -153,6 +153,20 @@ def test_a_kernel_set_the_cpu_lacks_is_refused_in_one_line(tmp_path, capsys, mon
     assert pins["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE_BF16" and pins["ATEN_CPU_CAPABILITY"] == "avx512"
 
 
+def test_run_with_seeds_runs_those_and_leaves_the_studys_seeds_to_the_report(tmp_path, monkeypatch):
+    """``run --seeds 1`` runs seed 1 only; the report written after it still covers every seed of the study (it had
+    covered seed 1 alone, and a run of one seed rewrote the study's README with that seed's runs)."""
+    study = S.load_study(_write_study(tmp_path / "s"))
+    ran = []
+    monkeypatch.setattr(S, "check_setup", lambda *args: {"commit": "c" * 40, "cpu": "cpu"})
+    monkeypatch.setattr(S, "is_exported", lambda *args: False)
+    monkeypatch.setattr(S, "run_one", lambda study, arm, seed, digest, max_steps: ran.append((arm.name, seed)))
+    monkeypatch.setattr(S, "export_run", lambda *args: None)
+    S.command_run(study, ["a"], [1], restart=False)
+    assert ran == [("a", 1)] and study.seeds == [0, 1, 2]
+    assert [seed for _, seed, _, _ in S.plan(study, ["a"])] == [0, 1, 2]
+
+
 def test_each_run_gets_the_pinned_environment():
     study = S.Study(Path("x"), "t", "test", [0], 3, "a", "avx2", 1, {})
     env = S.run_env(study)
