@@ -21,7 +21,7 @@ from rl_lightning.algorithms.advantages import Advantages, checked_advantages
 from rl_lightning.algorithms.auxiliary import AuxiliaryRows, run_auxiliary
 from rl_lightning.algorithms.checks import (
     GradClip, build_optimizer, check_finite, check_hook_output, check_module_settings, clip_gradients,
-    warn_emulated_bf16, warn_misspelt_hooks,
+    check_bf16_setup, warn_misspelt_hooks,
 )
 from rl_lightning.algorithms.distributed import Ranks, shard_module
 from rl_lightning.algorithms.evaluation import HeldoutEvaluation
@@ -271,13 +271,10 @@ class RLModule(LearnerForward, StepLogging, LightningModule):
         return optimizer if make is None else {"optimizer": optimizer, "lr_scheduler": make(optimizer)}
 
     def setup(self, stage: str) -> None:
-        datamodule = getattr(self.trainer, "datamodule", None)
-        if datamodule is not None:
+        if (datamodule := getattr(self.trainer, "datamodule", None)) is not None:
             check_rollout_settings(self, datamodule, self.trainer.world_size, stage)
             self.check_datamodule(datamodule)
-        sampling = getattr(datamodule, "sampling", None)
-        warn_emulated_bf16(self.trainer.strategy.root_device, self.trainer.precision, self.hparams.get("dtype"),
-                           getattr(sampling, "dtype", None))
+        check_bf16_setup(self.trainer, self.hparams.get("dtype"))
 
     def require_data_setting(self, datamodule: Any, setting: str, what: str, minimum: int = 1) -> None:
         """For ``check_datamodule``: ``planning.require_data_setting`` (refuse ``setting < minimum``, by field)."""

@@ -159,3 +159,11 @@ def warn_emulated_bf16(device: torch.device, precision: str, policy_dtype: str |
                "they are emulated, slower than float32: use float32 on this CPU (configs/presets/cpu-bf16.yaml)")
     warnings.warn(message, stacklevel=2)
     return message
+
+
+def check_bf16_setup(trainer: Any, policy_dtype: str | None) -> str | None:
+    """``warn_emulated_bf16`` for a run: the trainer's device and precision, the policy's dtype, the data module's
+    sampler dtype (if it has one)."""
+    sampling = getattr(getattr(trainer, "datamodule", None), "sampling", None)
+    return warn_emulated_bf16(trainer.strategy.root_device, trainer.precision, policy_dtype,
+                              getattr(sampling, "dtype", None))
