@@ -25,6 +25,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 from transformers import PreTrainedTokenizerBase
 
+from rl_lightning.models.attention import use_grouped_attention
 from rl_lightning.models.tokenizer import build_char_tokenizer
 
 ASSETS = Path(__file__).parent / "assets"
@@ -156,6 +157,10 @@ def load_policy(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer, offline, check the tokenizer, and make sure a pad token exists.
 
+    A checkpoint that loads with Hugging Face's ``sdpa`` attention runs ``sdpa_gqa`` (``models.attention``: grouped
+    key/value heads are not copied per query head on the CPU; the same outputs, gradients equal up to float32
+    summation order).
+
     Raises:
         FileNotFoundError: one line naming ``model_name_or_path`` when the directory is missing or holds no
             loadable model or no tokenizer files.
@@ -188,4 +193,5 @@ def load_policy(
     check_tokenizer(model_name_or_path, tokenizer)
     ensure_pad_token(model_name_or_path, tokenizer)
     tokenizer.padding_side = "left"
+    use_grouped_attention(model)
     return model, tokenizer
