@@ -83,16 +83,25 @@ def test_bfloat16_outputs_equal_hugging_faces():
     assert torch.equal(gqa_sdpa_forward(Heads(3), q, k, v, mask)[0], sdpa_attention_forward(Heads(3), q, k, v, mask)[0])
 
 
-def test_what_it_does_not_handle_goes_to_hugging_faces_sdpa():
+def test_what_it_does_not_handle_goes_to_hugging_faces_sdpa(monkeypatch):
+    import transformers.integrations.sdpa_attention as hf
+
+    calls = []
+    monkeypatch.setattr(hf, "sdpa_attention_forward", lambda *args, **kwargs: calls.append(kwargs) or ("hf", None))
     q, k, v, mask = grouped_inputs()
-    with pytest.raises(ValueError, match="softcap"):  # Hugging Face's own refusal: the call reached it
-        gqa_sdpa_forward(Heads(3), q, k, v, mask, softcap=30.0)
-    bias = torch.randn(1, 6, 5, 9)
-    assert torch.equal(gqa_sdpa_forward(Heads(3), q, k, v, mask, position_bias=bias)[0],
-                       sdpa_attention_forward(Heads(3), q, k, v, mask, position_bias=bias)[0])
-    q1, k1, v1, mask1 = grouped_inputs(kv_heads=6)  # one key/value head per query head
-    assert torch.equal(gqa_sdpa_forward(Heads(1), q1, k1, v1, mask1)[0],
-                       sdpa_attention_forward(Heads(1), q1, k1, v1, mask1)[0])
+    cases = {
+        "soft-capping": (Heads(3), q, k, v, mask, {"softcap": 30.0}),
+        "a position bias": (Heads(3), q, k, v, mask, {"position_bias": torch.zeros(1, 6, 5, 9)}),
+        "attention weights": (Heads(3), q, k, v, mask, {"output_attentions": True}),
+        "one key/value head per query head": (Heads(1), *grouped_inputs(kv_heads=6), {}),
+        "a single query": (Heads(3), *grouped_inputs(q_len=1), {}),
+        "another device": (Heads(3), *(t.to("meta") for t in (q, k, v, mask)), {}),
+    }
+    for what, (module, *tensors, kwargs) in cases.items():
+        assert gqa_sdpa_forward(module, *tensors, **kwargs) == ("hf", None), what
+    assert len(calls) == len(cases)
+    assert gqa_sdpa_forward(Heads(3), q, k, v, mask)[0].shape == (3, 5, 6, 8)  # the grouped CPU case: its own
+    assert len(calls) == len(cases)
 
 
 def test_the_math_kernel_gives_a_double_backward():
