@@ -11,6 +11,8 @@ Variants:
                  implementation with one chunk), entropy ``-Σ p log p`` with plain autograd.
     chunked-N    ``sampling_logprobs(..., chunk_size=N)`` (N positions per chunk; custom autograd function that
                  saves only the logits and recomputes each chunk's softmax in backward).
+    overwrite-N  ``chunked-N`` with ``overwrite_logits=True`` (what ``policy_forward`` runs): the backward writes the
+                 logits' gradient over the logits instead of into a new ``[B, T, V]`` buffer.
     ckpt-N       the rejected alternative: ``torch.utils.checkpoint`` around each N-position chunk (row slices of
                  the logits). Slicing's backward allocates a full-size zero gradient per chunk, so its peak is
                  *higher* than naive's; kept here as the evidence for the custom autograd function.
@@ -80,6 +82,12 @@ def chunked(chunk_size):
     return fn
 
 
+def overwriting(chunk_size):
+    def fn(logits, tokens, with_entropy):
+        return sampling_logprobs(logits, tokens, TEMPERATURE, TOP_P, chunk_size, with_entropy, overwrite_logits=True)
+    return fn
+
+
 def checkpointed(chunk_size):
     from torch.utils.checkpoint import checkpoint
 
@@ -101,7 +109,7 @@ def make_variant(name):
     if name == "naive":
         return naive
     kind, _, n = name.partition("-")
-    return {"chunked": chunked, "ckpt": checkpointed}[kind](int(n))
+    return {"chunked": chunked, "overwrite": overwriting, "ckpt": checkpointed}[kind](int(n))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -184,7 +192,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--entropy", choices=["off", "on", "both"], default="both")
-    parser.add_argument("--variants", nargs="+", default=["naive", "chunked-1024", "chunked-256", "ckpt-1024"])
+    parser.add_argument("--variants", nargs="+", default=["naive", "chunked-1024", "chunked-256", "overwrite-256",
+                                                                "ckpt-1024"])
     parser.add_argument("--no-profiler", action="store_true")
     parser.add_argument("--child", nargs=4, metavar=("VARIANT", "B", "ENTROPY", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -101,6 +101,7 @@ def shared_prompt_forward(
 def policy_forward(
     model: nn.Module, batch: RolloutBatch, chunk_size: int, share_prompts: bool = True, share_min_tokens: int = 1,
     with_entropy: bool = False, with_hidden: bool = False, extra_ids: Tensor | None = None,
+    overwrite_logits: bool = True,
 ) -> PolicyOutput:
     """Score the generated tokens of ``batch`` under ``model`` (see the module docstring).
 
@@ -109,6 +110,9 @@ def policy_forward(
     (``shared_prompt_forward``, when that saves ``share_min_tokens`` positions; the same outputs and gradient).
     ``extra_ids`` ``[N, T, J]``: also the log-probs at those ids (``PolicyOutput.extra_logprobs``,
     ``functional.sampling_logprobs_at``). ``chunk_size``: token positions per chunk of the log-softmax.
+    ``overwrite_logits``: the backward writes the logits' gradient over the logits, which this function makes and
+    drops (``functional.sampling_logprobs``: one ``[N, T, V]`` buffer less at the backward's peak, the same
+    gradient); ``False`` for a caller that backpropagates twice through the output (``retain_graph=True``).
     """
     width = batch.input_ids.shape[1] - batch.prompt_length  # T
     shared = shared_prompt_forward(model, batch.input_ids, batch.attention_mask, batch.prompt_length,
@@ -130,11 +134,12 @@ def policy_forward(
     extra = None
     if extra_ids is None:
         logprobs, entropy = sampling_logprobs(
-            logits, batch.response_ids, batch.temperature, batch.top_p, chunk_size, with_entropy
+            logits, batch.response_ids, batch.temperature, batch.top_p, chunk_size, with_entropy, overwrite_logits
         )
     else:
         logprobs, extra, entropy = sampling_logprobs_at(
             logits, batch.response_ids, extra_ids, batch.temperature, batch.top_p, chunk_size, with_entropy,
+            overwrite_logits,
         )
         extra = torch.where(batch.loss_mask.bool().unsqueeze(-1), extra, torch.zeros_like(extra))
     mask = batch.loss_mask.to(logprobs.dtype)
@@ -204,6 +209,10 @@ class LearnerForward:
     """The learner forward as ``RLModule`` methods, with the module's settings (``policy``, ``tokenizer``,
     ``logprob_chunk_size``, ``share_prompt_forward``, ``share_prompt_min_tokens``, ``hparams``)."""
 
+    #: ``policy_forward``'s ``overwrite_logits``: set it ``False`` in a subclass whose loss backpropagates twice
+    #: through ``forward_policy``'s output (``retain_graph=True``), which the overwritten logits refuse loudly
+    overwrite_logits: bool = True
+
     def load_frozen_copy(self) -> nn.Module:
         """A frozen copy of the *initial* policy, on this device: reloaded from ``model_name_or_path``; for a policy
         with LoRA adapters, the base under them (``adapters.BaseModelView``: no second copy of the weights)."""
@@ -217,7 +226,7 @@ class LearnerForward:
         """``forward.policy_forward`` of ``batch`` under ``model`` (default: the policy) with this module's settings."""
         return policy_forward(self.policy if model is None else model, batch, self.logprob_chunk_size,
                               self.share_prompt_forward, self.share_prompt_min_tokens, with_entropy, with_hidden,
-                              extra_ids)
+                              extra_ids, self.overwrite_logits)
 
     def score_sequences(self, contexts: list[list[int]], targets: list[list[int]],
                         target_masks: list[list[int]] | None = None, model: nn.Module | None = None,

@@ -117,8 +117,9 @@ class _SamplingLogprobs(torch.autograd.Function):
     """Chunked log-probs at ``ids`` ``[B, T, J]`` (and entropy) whose backward recomputes each chunk's softmax.
 
     Autograd keeps only the logits (the input, alive anyway), the ids and the ``[B, T]`` entropy: no
-    ``[B, T, V]`` (log-)softmax is saved. The backward allocates the one ``[B, T, V]`` logits gradient and fills
-    it chunk by chunk with the closed form (``s`` = scaled logits, ``ℓ = log_softmax(s)``, ``p = exp ℓ``, ``H``
+    ``[B, T, V]`` (log-)softmax is saved. The backward allocates the one ``[B, T, V]`` logits gradient (or, with
+    ``overwrite``, writes it over the saved logits, each chunk after its softmax is recomputed) and fills it chunk
+    by chunk with the closed form (``s`` = scaled logits, ``ℓ = log_softmax(s)``, ``p = exp ℓ``, ``H``
     the entropy, ``g_j``/``h`` the incoming gradients of the log-prob at ``ids[..., j]``/of the entropy)::
 
         ∂L/∂s_v = Σ_j g_j · (1[v = ids_j] - p_v) - h · p_v (ℓ_v + H),    ∂s/∂logits = 1/τ on the support, 0 off
@@ -130,10 +131,11 @@ class _SamplingLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: Tensor, ids: Tensor, temperature: float, top_p: float, chunk_size: int,
-                with_entropy: bool):  # noqa: ANN205
+                with_entropy: bool, overwrite: bool):  # noqa: ANN205
         lp, ent = _chunked_values(logits, ids, temperature, top_p, chunk_size, with_entropy)
         ctx.set_materialize_grads(False)
         ctx.settings = (temperature, top_p, chunk_size, with_entropy)
+        ctx.overwrite = overwrite
         ctx.save_for_backward(logits, ids, ent)
         return (lp, ent) if with_entropy else lp
 
@@ -141,7 +143,7 @@ class _SamplingLogprobs(torch.autograd.Function):
     def backward(ctx, grad_lp: Tensor | None, grad_ent: Tensor | None = None):  # noqa: ANN205
         logits, ids, ent = ctx.saved_tensors
         temperature, top_p, chunk_size, with_entropy = ctx.settings
-        none = (None,) * 5
+        none = (None,) * 6
         if grad_lp is None and grad_ent is None:
             return (None, *none)
         batch, width = ids.shape[:2]
@@ -157,7 +159,7 @@ class _SamplingLogprobs(torch.autograd.Function):
                     outs.append(e), grads.append(grad_ent[idx])
                 grad[idx] = torch.autograd.grad(outs, chunk, grads, create_graph=True)[0]
             return (grad, *none)
-        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        grad = logits if ctx.overwrite else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         for idx in position_chunks(batch, width, chunk_size):
             chunk_ids = ids[idx]
             logp = torch.log_softmax(sampling_logits(logits[idx], temperature, top_p, chunk_ids[..., 0]), dim=-1)
@@ -200,9 +202,9 @@ def _chunked_values(logits: Tensor, ids: Tensor, temperature: float, top_p: floa
 
 
 def _logprobs_at(logits: Tensor, ids: Tensor, temperature: float, top_p: float, chunk_size: int,
-                 with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+                 with_entropy: bool, overwrite: bool = False) -> tuple[Tensor, Tensor | None]:
     if torch.is_grad_enabled() and logits.requires_grad:
-        out = _SamplingLogprobs.apply(logits, ids, temperature, top_p, chunk_size, with_entropy)
+        out = _SamplingLogprobs.apply(logits, ids, temperature, top_p, chunk_size, with_entropy, overwrite)
         return out if with_entropy else (out, None)
     return _chunked_values(logits, ids, temperature, top_p, chunk_size, with_entropy)
 
@@ -214,6 +216,7 @@ def sampling_logprobs(
     top_p: float = 1.0,
     chunk_size: int = DEFAULT_CHUNK_POSITIONS,
     with_entropy: bool = False,
+    overwrite_logits: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-prob of ``tokens`` (and optionally the entropy) under the sampling distribution, chunked over positions.
 
@@ -225,7 +228,8 @@ def sampling_logprobs(
     No ``[B, T, V]`` (log-)softmax is materialised: ``chunk_size`` positions are processed at a time, and when
     ``logits`` requires grad a custom autograd function saves only ``logits`` and ``[B, T]`` statistics and
     recomputes each chunk's softmax in backward. Peak extra memory is about one ``[B, T, V]`` gradient (in
-    ``logits``' dtype, during backward) plus a few ``[chunk_size, V]`` float32 temporaries. Values and gradients
+    ``logits``' dtype, during backward; none with ``overwrite_logits``) plus a few ``[chunk_size, V]`` float32
+    temporaries. Values and gradients
     equal ``log_softmax(s).gather(...)`` (and its entropy); double backward is supported.
     ``sampling_logprobs_at`` also returns the log-probs at other ids from the same pass.
 
@@ -237,12 +241,17 @@ def sampling_logprobs(
             ``chunk_size >= T``, else pieces of one row. Small values are correct but slower (one Python-level
             chunk each).
         with_entropy: also return the per-token entropy ``-Σ_v p_v log p_v`` (it carries the gradient).
+        overwrite_logits: the backward writes the logits' gradient over ``logits`` itself instead of into a new
+            ``[B, T, V]`` buffer: one ``[B, T, V]`` less at the backward's peak, the same gradient bits. Only for
+            logits nothing reads after the backward (``forward.policy_forward``'s, made and dropped inside it): a
+            second backward through them (``retain_graph=True``) fails loudly in autograd's in-place check.
 
     Returns:
         ``(logprobs [B, T], entropy [B, T] or None)``, float32.
     """
     _check_shapes("sampling_logprobs", logits, tokens, chunk_size)
-    lp, ent = _logprobs_at(logits, tokens.unsqueeze(-1), temperature, top_p, chunk_size, with_entropy)
+    lp, ent = _logprobs_at(logits, tokens.unsqueeze(-1), temperature, top_p, chunk_size, with_entropy,
+                           overwrite_logits)
     return lp.squeeze(-1), ent
 
 
@@ -254,13 +263,15 @@ def sampling_logprobs_at(
     top_p: float = 1.0,
     chunk_size: int = DEFAULT_CHUNK_POSITIONS,
     with_entropy: bool = False,
+    overwrite_logits: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """``sampling_logprobs`` plus the log-probs at ``extra_ids`` ``[B, T, J]`` (e.g. the sampler's top-k ids or
     auxiliary draws of Score Centering and StableReinforce), from the same chunked pass and backward.
 
     Every log-prob is under the sampling distribution whose support keeps the sampled token (as
     ``sampling_logprobs``); an extra id outside the top-p support gets ``-inf`` and no gradient (callers that
-    multiply by it mask those first). No ``[B, T, V]`` copy beyond the one logits gradient of the backward.
+    multiply by it mask those first). No ``[B, T, V]`` copy beyond the one logits gradient of the backward (none
+    with ``overwrite_logits``, as in ``sampling_logprobs``).
 
     Returns:
         ``(logprobs [B, T], extra_logprobs [B, T, J], entropy [B, T] or None)``, float32.
@@ -270,7 +281,7 @@ def sampling_logprobs_at(
         raise ValueError(f"sampling_logprobs_at: extra_ids [B, T, J] expected for tokens {tuple(tokens.shape)}, got "
                          f"{tuple(extra_ids.shape)}")
     ids = torch.cat([tokens.unsqueeze(-1), extra_ids.to(tokens.dtype)], dim=-1)
-    lp, ent = _logprobs_at(logits, ids, temperature, top_p, chunk_size, with_entropy)
+    lp, ent = _logprobs_at(logits, ids, temperature, top_p, chunk_size, with_entropy, overwrite_logits)
     return lp[..., 0], lp[..., 1:], ent
 
 

@@ -463,3 +463,21 @@ def test_the_engine_prefills_each_prompt_once(monkeypatch):
         KVCacheEngine(share_prefill=share, static_cache=True).sample_padded(
             model, ids, mask, SamplingParams(4, tok.eos_token_id, tok.pad_token_id), torch.Generator().manual_seed(0))
         assert rows[0] == ((2, ids.shape[1]) if share else (8, ids.shape[1]))  # the prefill: one row per prompt
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("share", [True, False])
+def test_the_logits_overwritten_by_their_gradient_change_no_gradient_bit(arch, share):
+    """``forward_policy`` lets the backward write the logits' gradient over the logits (``overwrite_logits``):
+    the same parameter gradients, bit for bit, on the shared-prompt path and the plain one (a view of the model's
+    output logits there)."""
+    grads = []
+    for overwrite in (False, True):
+        module = _module(GRPO, arch)
+        module.share_prompt_forward, module.overwrite_logits = share, overwrite
+        batch = _batch(len(module.tokenizer))
+        out = module.forward_policy(batch, with_entropy=True)
+        (out.logprobs.sum() + out.entropy.sum()).backward()
+        grads.append([p.grad.clone() for p in module.policy.parameters() if p.grad is not None])
+    assert len(grads[0]) == len(grads[1]) > 0
+    assert all(torch.equal(a, b) for a, b in zip(*grads))

@@ -235,3 +235,48 @@ def test_empty_batch():
     assert lp.shape == (0, 4) and ent.shape == (0, 4)
     lp, _ = sampling_logprobs(torch.zeros(2, 0, 7), torch.zeros(2, 0, dtype=torch.long))
     assert lp.shape == (2, 0)
+
+
+def _overwrite_inputs(overwrite, base, tokens, **kwargs):
+    """``(grad of base, what base's storage holds after the backward)``: the logits are the view ``base[:, :-1]`` of a
+    non-leaf, as the model's output in ``policy_forward``."""
+    leaf = base.clone().requires_grad_(True)
+    logits = leaf * 1.0  # a non-leaf whose storage only this function reads after the forward
+    lp, ent = sampling_logprobs(logits[:, :-1], tokens, overwrite_logits=overwrite, **kwargs)
+    loss = lp.sum() + (ent.sum() if ent is not None else 0.0)
+    (grad,) = torch.autograd.grad(loss, leaf)
+    return grad, logits.detach().clone()
+
+
+@pytest.mark.parametrize("with_entropy, top_p", [(False, 1.0), (True, 0.8)])
+def test_overwriting_the_logits_gives_the_same_gradient_bits_and_holds_it_in_their_storage(with_entropy, top_p):
+    full, _, _, _ = _inputs(9, B, T + 1, V)
+    tokens = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(10))
+    settings = {"temperature": 0.7, "top_p": top_p, "chunk_size": 4, "with_entropy": with_entropy}
+    grad, kept = _overwrite_inputs(False, full, tokens, **settings)
+    grad_over, overwritten = _overwrite_inputs(True, full, tokens, **settings)
+    assert torch.equal(grad, grad_over)
+    assert torch.equal(kept, full)  # by default the logits are left as they were
+    assert torch.equal(overwritten[:, :-1], grad[:, :-1]) and torch.equal(overwritten[:, -1], full[:, -1])
+
+
+def test_overwritten_logits_refuse_a_second_backward_loudly():
+    logits, tokens, _, _ = _inputs(11, B, T, V)
+    x = logits.clone().requires_grad_(True)
+    y = x * 2.0
+    lp, _ = sampling_logprobs(y, tokens, overwrite_logits=True)
+    lp.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="inplace"):
+        lp.sum().backward()
+
+
+def test_overwriting_keeps_the_double_backward():
+    logits, tokens, g_lp, _ = _inputs(12, B, T, V)
+    v = torch.randn(B, T, V, generator=torch.Generator().manual_seed(13))
+    hvps = []
+    for overwrite in (False, True):
+        x = logits.clone().requires_grad_(True)
+        lp, _ = sampling_logprobs(x * 1.0, tokens, 0.9, 0.8, chunk_size=4, overwrite_logits=overwrite)
+        (grad,) = torch.autograd.grad((lp * g_lp).sum(), x, create_graph=True)
+        hvps.append(torch.autograd.grad((grad * v).sum(), x)[0])
+    assert torch.equal(hvps[0], hvps[1]) and hvps[0].abs().sum() > 0
