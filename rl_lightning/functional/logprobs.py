@@ -229,8 +229,8 @@ def sampling_logprobs(
     ``logits`` requires grad a custom autograd function saves only ``logits`` and ``[B, T]`` statistics and
     recomputes each chunk's softmax in backward. Peak extra memory is about one ``[B, T, V]`` gradient (in
     ``logits``' dtype, during backward; none with ``overwrite_logits``) plus a few ``[chunk_size, V]`` float32
-    temporaries. Values and gradients
-    equal ``log_softmax(s).gather(...)`` (and its entropy); double backward is supported.
+    temporaries. Values and gradients equal ``log_softmax(s).gather(...)`` (and its entropy); double backward is
+    supported.
     ``sampling_logprobs_at`` also returns the log-probs at other ids from the same pass.
 
     Args:

@@ -46,8 +46,7 @@ def gqa_sdpa_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
     if query.device.type != "cpu" or not grouped or special or q_length == 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    causal = bool(q_length > 1 and attention_mask is None and causal)
+    causal = attention_mask is None and bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     if causal and key.shape[2] > q_length:
         key, value = key[:, :, :q_length], value[:, :, :q_length]
     out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
@@ -76,11 +75,8 @@ def use_grouped_attention(model: nn.Module) -> bool:
     config = getattr(model, "config", None)
     heads = getattr(config, "num_attention_heads", None)
     grouped = heads is not None and getattr(config, "num_key_value_heads", None) not in (None, heads)
-    if not grouped or getattr(config, "_attn_implementation", None) != "sdpa" \
-            or not hasattr(model, "set_attn_implementation"):
-        return False
-    can_set = getattr(model, "_can_set_attn_implementation", lambda: False)
-    if not can_set():
+    can_set = getattr(model, "_can_set_attn_implementation", None)  # with set_attn_implementation: PreTrainedModel's
+    if not grouped or getattr(config, "_attn_implementation", None) != "sdpa" or can_set is None or not can_set():
         return False
     register()
     model.set_attn_implementation(SDPA_GQA)
