@@ -8,7 +8,7 @@ keeps those copies (on SmolLM2, 9 query and 3 key/value heads: three times the k
 flash-attention kernel takes the grouped heads as they are (``enable_gqa=True``); Hugging Face asks for it only
 where no mask is given, because CUDA's kernels fall back to the math kernel with a mask. The outputs are the same
 bits; the key and value gradients are the same sums over a group's heads taken in another order
-(``tests/models/test_attention.py``). ``experiments/bench_attention.py`` measures the memory and time it saves.
+(``tests/models/test_attention.py``). ``experiments/bench_update_levers.py`` measures the memory and time it saves.
 
 ``sdpa_gqa`` runs that grouped kernel for CPU tensors of a grouped model and hands everything else (CUDA and other
 devices, one key/value head per query head, a single query -- which Hugging Face already runs without copies --, a

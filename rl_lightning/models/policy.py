@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from transformers import PreTrainedTokenizerBase
 
 from rl_lightning.models.attention import use_grouped_attention
+from rl_lightning.models.recompute import recompute_activations
 from rl_lightning.models.tokenizer import build_char_tokenizer
 
 ASSETS = Path(__file__).parent / "assets"
@@ -159,7 +160,8 @@ def load_policy(
 
     A checkpoint that loads with Hugging Face's ``sdpa`` attention runs ``sdpa_gqa`` (``models.attention``: grouped
     key/value heads are not copied per query head on the CPU; the same outputs, gradients equal up to float32
-    summation order).
+    summation order). Every model's gated MLPs and RMS norms rebuild their elementwise products in the backward
+    instead of keeping them (``models.recompute``: the same outputs and gradients, bit for bit).
 
     Raises:
         FileNotFoundError: one line naming ``model_name_or_path`` when the directory is missing or holds no
@@ -172,7 +174,9 @@ def load_policy(
     if path is None:
         model, tokenizer = build_tiny_policy()
         check_tokenizer(model_name_or_path, tokenizer)
-        return model.to(torch_dtype), tokenizer
+        model = model.to(torch_dtype)
+        recompute_activations(model)
+        return model, tokenizer
     if not path.is_dir():
         raise FileNotFoundError(f"model_name_or_path={model_name_or_path!r}: no such directory; "
                                 f"{missing_model_hint(model_name_or_path, path)}")
@@ -194,4 +198,5 @@ def load_policy(
     ensure_pad_token(model_name_or_path, tokenizer)
     tokenizer.padding_side = "left"
     use_grouped_attention(model)
+    recompute_activations(model)
     return model, tokenizer
