@@ -200,7 +200,7 @@ def recompute_activations(model: nn.Module, enable: bool = True) -> int:
         kind = getattr(type(module), "_recomputes", None)
         if kind is not None:
             if not enable:
-                module.__class__ = type(module).__mro__[1]
+                module.__class__ = _plain(module)
                 switched += 1
             continue
         if not enable:
